@@ -1,0 +1,96 @@
+"""Opt-in CPU mode: run tpu-inference's JAX model on JAX's CPU backend.
+
+Only what is TPU-only is substituted: the Pallas ragged-paged-attention
+kernel, by `paged_attention` below (pure JAX, same cache layout, same
+`update_kv_cache` / sliding-window / soft-cap semantics). It is for tests and
+the demo; `enable()` refuses to run when JAX sees a TPU.
+"""
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def paged_attention(mesh, q, k, v, kv_cache, kv_lens, page_indices,
+                    cu_q_lens, distribution, attention_sink, sm_scale,
+                    attention_chunk_size=None, q_scale=None, k_scale=None,
+                    v_scale=None, update_kv_cache=True, use_causal_mask=True,
+                    attn_logits_soft_cap=None, decode_query_size=1):
+    """Drop-in for `attention_interface.sharded_ragged_paged_attention` on a
+    one-device mesh. Returns (output (T, N, H), updated kv_cache)."""
+    import jax
+    import jax.numpy as jnp
+    from tpu_inference.kernels.ragged_paged_attention.v3.kernel import merge_kv
+
+    if attention_sink is not None or q_scale is not None:
+        raise NotImplementedError("CPU paged attention: sinks / q_scale")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    num_pages, page_size = kv_cache.shape[:2]
+    padded_head_dim = kv_cache.shape[-1]
+    max_num_seqs = kv_lens.shape[0]
+    pages_per_seq = page_indices.shape[0] // max_num_seqs
+    num_seqs = distribution[-1]
+
+    # Which sequence each query token belongs to, and its absolute position.
+    t = jnp.arange(num_tokens)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], t, side="right"), 0,
+                   max_num_seqs - 1)
+    valid = t < cu_q_lens[num_seqs]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
+
+    # Cache rows: [slot, kv_head * 2 (+pad), head_dim]; k at even, v at odd.
+    slots = kv_cache.reshape(num_pages * page_size, -1, padded_head_dim)
+    if update_kv_cache:
+        new = merge_kv(k, v).reshape(num_tokens, -1, padded_head_dim)
+        page = page_indices[seq * pages_per_seq + pos // page_size]
+        slot = jnp.where(valid, page * page_size + pos % page_size,
+                         num_pages * page_size)  # out of range: dropped
+        slots = slots.at[slot].set(new.astype(slots.dtype), mode="drop")
+
+    ctx = jnp.arange(pages_per_seq * page_size)
+    ctx_pages = page_indices[seq[:, None] * pages_per_seq + ctx // page_size]
+    kv = slots[ctx_pages * page_size + ctx % page_size]  # [T, C, 2K', H']
+    # fp32 math: XLA:CPU has no bf16 x bf16 -> f32 dot.
+    keys = kv[:, :, 0:2 * num_kv_heads:2, :head_dim].astype(jnp.float32)
+    values = kv[:, :, 1:2 * num_kv_heads:2, :head_dim].astype(jnp.float32)
+
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("tkgh,tckh->tkgc", qg.astype(jnp.float32), keys,
+                        preferred_element_type=jnp.float32) * sm_scale
+    if k_scale is not None:
+        scores = scores * k_scale
+    if attn_logits_soft_cap is not None:
+        scores = attn_logits_soft_cap * jnp.tanh(scores / attn_logits_soft_cap)
+    mask = (ctx[None, :] < kv_lens[seq][:, None]) & valid[:, None]
+    if use_causal_mask:
+        mask &= ctx[None, :] <= pos[:, None]
+        if attention_chunk_size is not None:
+            mask &= pos[:, None] - ctx[None, :] < attention_chunk_size
+    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask[:, None, None, :], probs, 0.0)
+    out = jnp.einsum("tkgc,tckh->tkgh", probs, values)
+    if v_scale is not None:
+        out = out * v_scale
+    out = out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    return out, slots.reshape(kv_cache.shape)
+
+
+def install_attention() -> None:
+    """Route tpu-inference's attention through `paged_attention`."""
+    _refuse_on_tpu()
+    from tpu_inference.layers.common import attention_interface
+    if attention_interface.sharded_ragged_paged_attention is not paged_attention:
+        attention_interface.sharded_ragged_paged_attention = paged_attention
+        logger.warning("vllm-gemma-qat CPU mode: Pallas ragged paged attention "
+                       "replaced by a pure-JAX paged attention")
+
+
+def _refuse_on_tpu() -> None:
+    import jax
+    if any(d.platform == "tpu" for d in jax.devices()):
+        raise RuntimeError("vllm-gemma-qat CPU mode must not run on a TPU")

@@ -1,0 +1,358 @@
+"""What a Gemma 4 checkpoint must contain, derived from config.json alone.
+
+One source of truth for the loader and for `vllm-gemma-qat inspect`: the
+language-model tensors `--load-format gemma_qat` loads (KV-shared layers own
+no k_proj / v_proj / k_norm), the ones it skips on purpose, and the KV-cache
+geometry used by `plan`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from vllm_gemma_qat.checkpoint import Checkpoint, CheckpointError, TensorInfo
+
+GEMMA4_ARCHITECTURES = ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM")
+SHARED_KV_PARAMS = ("self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm")
+# Linear layers whose weight may come as compressed-tensors int4
+# (`weight_packed` / `weight_scale` / `weight_shape`) instead of `weight`.
+LINEAR_SUFFIXES = ("_proj", "per_layer_input_gate", "per_layer_projection")
+PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
+_LAYER_RE = re.compile(r"^(model\.(?:language_model\.)?)layers\.(\d+)\.(.+)$")
+
+
+@cache
+def _compute_kv_share_map():
+    # tpu-inference's own helper, loaded from its file: importing the
+    # `tpu_inference` package pulls in vLLM and JAX (~9 s), which would make
+    # the header-only preflight slow. kv_share.py has no imports of its own.
+    spec = importlib.util.find_spec("tpu_inference")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("tpu-inference is not installed (pip install vllm-tpu)")
+    file = Path(spec.submodule_search_locations[0], "models", "common",
+                "kv_share.py")
+    mod_spec = importlib.util.spec_from_file_location("_tpu_inference_kv_share",
+                                                      file)
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return module.compute_kv_share_map
+
+
+class _Attrs:
+    """Attribute view of a config dict, as compute_kv_share_map expects."""
+
+    def __init__(self, d: dict):
+        self.__dict__.update(d)
+
+
+def text_config_of(config: dict) -> dict:
+    return config.get("text_config") or config
+
+
+def architecture_of(config: dict) -> str:
+    archs = config.get("architectures") or []
+    for arch in archs:
+        if arch in GEMMA4_ARCHITECTURES:
+            return arch
+    model_type = text_config_of(config).get("model_type")
+    raise CheckpointError(
+        f"config.json: architectures {archs} (model_type {model_type!r}) is not "
+        f"Gemma 4; --load-format gemma_qat serves {', '.join(GEMMA4_ARCHITECTURES)}")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    text: dict
+    layer_types: tuple[str, ...]
+    kv_share_map: dict[int, int]
+
+    @classmethod
+    def from_text_config(cls, text: dict) -> "Geometry":
+        required = ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                    "head_dim", "intermediate_size", "vocab_size")
+        for key in required:
+            if key not in text:
+                raise CheckpointError(f"config.json: text config lacks {key!r}")
+        n = text["num_hidden_layers"]
+        layer_types = tuple(text.get("layer_types") or ())
+        if len(layer_types) != n:
+            raise CheckpointError(
+                f"config.json: layer_types has {len(layer_types)} entries, "
+                f"num_hidden_layers is {n}")
+        try:
+            share = _compute_kv_share_map()(_Attrs(text))
+        except ValueError as e:
+            raise CheckpointError(f"config.json: {e}") from None
+        return cls(text, layer_types, share)
+
+    @property
+    def num_layers(self) -> int:
+        return self.text["num_hidden_layers"]
+
+    @property
+    def num_kv_shared_layers(self) -> int:
+        return len(self.kv_share_map)
+
+    def _layer_override(self, i: int, key: str):
+        # transformers >= 5.15 keeps full-attention overrides per layer.
+        per_layer = self.text.get("per_layer_config") or {}
+        for k in (str(i), f"{i:02d}"):
+            if k in per_layer and key in per_layer[k]:
+                return per_layer[k][key]
+        return None
+
+    def is_full(self, i: int) -> bool:
+        return self.layer_types[i] == "full_attention"
+
+    def head_dim(self, i: int) -> int:
+        override = self._layer_override(i, "head_dim")
+        if override is not None:
+            return override
+        if self.is_full(i) and self.text.get("global_head_dim"):
+            return self.text["global_head_dim"]
+        return self.text["head_dim"]
+
+    def kv_heads(self, i: int) -> int:
+        override = self._layer_override(i, "num_key_value_heads")
+        if override is not None:
+            return override
+        if self.is_full(i) and self.text.get("num_global_key_value_heads"):
+            return self.text["num_global_key_value_heads"]
+        return self.text["num_key_value_heads"]
+
+    def has_v_proj(self, i: int) -> bool:
+        return not (self.is_full(i) and self.text.get("attention_k_eq_v"))
+
+    def intermediate_size(self, i: int) -> int:
+        wide = self.text.get("use_double_wide_mlp") and i in self.kv_share_map
+        return self.text["intermediate_size"] * (2 if wide else 1)
+
+    def layer_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
+        """Tensors of layer i that gemma_qat loads, HF [out, in] shapes."""
+        h = self.text["hidden_size"]
+        hd, kv, heads = self.head_dim(i), self.kv_heads(i), self.text[
+            "num_attention_heads"]
+        inter = self.intermediate_size(i)
+        t = {f"{norm}.weight": (h, ) for norm in (
+            "input_layernorm", "post_attention_layernorm",
+            "pre_feedforward_layernorm", "post_feedforward_layernorm")}
+        t["layer_scalar"] = (1, )
+        t["self_attn.q_proj.weight"] = (heads * hd, h)
+        t["self_attn.o_proj.weight"] = (h, heads * hd)
+        t["self_attn.q_norm.weight"] = (hd, )
+        if i not in self.kv_share_map:
+            t["self_attn.k_proj.weight"] = (kv * hd, h)
+            if self.has_v_proj(i):
+                t["self_attn.v_proj.weight"] = (kv * hd, h)
+            t["self_attn.k_norm.weight"] = (hd, )
+        t["mlp.gate_proj.weight"] = (inter, h)
+        t["mlp.up_proj.weight"] = (inter, h)
+        t["mlp.down_proj.weight"] = (h, inter)
+        p = self.text.get("hidden_size_per_layer_input") or 0
+        if p:
+            t["post_per_layer_input_norm.weight"] = (h, )
+            t["per_layer_input_gate.weight"] = (p, h)
+            t["per_layer_projection.weight"] = (h, p)
+        return t
+
+    def shared_kv_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
+        """The unused K/V tensors a regular export ships for shared layer i."""
+        h, hd, kv = self.text["hidden_size"], self.head_dim(i), self.kv_heads(i)
+        t = {"self_attn.k_proj.weight": (kv * hd, h),
+             "self_attn.k_norm.weight": (hd, )}
+        if self.has_v_proj(i):
+            t["self_attn.v_proj.weight"] = (kv * hd, h)
+        return t
+
+    def global_tensors(self) -> dict[str, tuple[int, ...]]:
+        h, v = self.text["hidden_size"], self.text["vocab_size"]
+        t = {"embed_tokens.weight": (v, h), "norm.weight": (h, )}
+        p = self.text.get("hidden_size_per_layer_input") or 0
+        if p:
+            n, vp = self.num_layers, self.text.get("vocab_size_per_layer_input",
+                                                   v)
+            t["embed_tokens_per_layer.weight"] = (vp, n * p)
+            t["per_layer_model_projection.weight"] = (n * p, h)
+            t["per_layer_projection_norm.weight"] = (p, )
+        return t
+
+    def expected(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        """Every language-model tensor gemma_qat needs, full names."""
+        out = {prefix + k: s for k, s in self.global_tensors().items()}
+        for i in range(self.num_layers):
+            for k, s in self.layer_tensors(i).items():
+                out[f"{prefix}layers.{i}.{k}"] = s
+        return out
+
+    def skippable(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        return {f"{prefix}layers.{i}.{k}": s
+                for i in self.kv_share_map
+                for k, s in self.shared_kv_tensors(i).items()}
+
+    def kv_elements_per_token(self) -> int:
+        """K + V elements one token occupies: only non-shared layers hold KV."""
+        return sum(2 * self.kv_heads(i) * self.head_dim(i)
+                   for i in range(self.num_layers) if i not in self.kv_share_map)
+
+
+def is_shared_kv_tensor(name: str, kv_share_map: dict[int, int]) -> bool:
+    """True for a shared layer's k_proj / v_proj / k_norm tensor (any suffix),
+    anchored on the language model's layers so tower k_proj never match."""
+    m = _LAYER_RE.match(name)
+    return bool(m and int(m.group(2)) in kv_share_map
+                and m.group(3).startswith(SHARED_KV_PARAMS))
+
+
+def language_model_prefix(names) -> str:
+    """`model.language_model.` (what the real exports use) or `model.`
+    (what transformers writes for a text-only Gemma4ForCausalLM)."""
+    if any(n.startswith("model.language_model.") for n in names):
+        return "model.language_model."
+    return "model."
+
+
+def is_language_model_tensor(name: str, prefix: str) -> bool:
+    if not name.startswith(prefix):
+        return name.startswith("lm_head.")
+    rest = name[len(prefix):]
+    return not rest.startswith(("vision_tower.", "audio_tower.",
+                                "embed_vision.", "embed_audio."))
+
+
+def _linear_base(name: str) -> str | None:
+    for suffix in PACKED_SUFFIXES:
+        if name.endswith("." + suffix):
+            base = name[:-len(suffix) - 1]
+            if base.rsplit(".", 1)[-1].endswith(LINEAR_SUFFIXES):
+                return base
+    return None
+
+
+@dataclass
+class Report:
+    """How a checkpoint's language-model tensors compare with what gemma_qat
+    loads. Towers are left to tpu-inference's own loader."""
+    architecture: str
+    geometry: Geometry
+    prefix: str
+    export_kind: str
+    expected: dict[str, tuple[int, ...]]
+    missing: list[str]
+    unexpected: list[str]
+    wrong_shape: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+    skipped: list[str]
+    lm_tensors: int
+    shared_kv_inferred: int | None
+
+    @property
+    def loads_with_gemma_qat(self) -> bool:
+        return not (self.missing or self.unexpected or self.wrong_shape
+                    or self.shared_kv_mismatch)
+
+    @property
+    def shared_kv_mismatch(self) -> bool:
+        return (self.shared_kv_inferred is not None and
+                self.shared_kv_inferred != self.geometry.num_kv_shared_layers)
+
+    @property
+    def loads_with_auto(self) -> bool:
+        # Stock tpu-inference allocates K/V on every layer, so it also needs
+        # the shared-layer tensors only a regular export ships.
+        return self.loads_with_gemma_qat and len(self.skipped) == len(
+            self.geometry.skippable(self.prefix))
+
+    def errors(self) -> list[str]:
+        out = []
+        g = self.geometry
+        if self.shared_kv_mismatch:
+            out.append(
+                f"config.json says num_kv_shared_layers="
+                f"{g.num_kv_shared_layers}, but the checkpoint has K/V "
+                f"projections for {g.num_layers - self.shared_kv_inferred} of "
+                f"{g.num_layers} layers (i.e. {self.shared_kv_inferred} shared)")
+        out += [f"missing tensor {n} (expected shape {list(self.expected[n])})"
+                for n in self.missing]
+        out += [f"tensor {n} has shape {list(got)}, expected {list(want)}"
+                for n, got, want in self.wrong_shape]
+        out += [f"unexpected tensor {n}" for n in self.unexpected]
+        return out
+
+    def raise_if_invalid(self, path) -> None:
+        errs = self.errors()
+        if errs:
+            more = f" (and {len(errs) - 5} more)" if len(errs) > 5 else ""
+            raise CheckpointError(f"{path}: " + "; ".join(errs[:5]) + more)
+
+
+def _infer_shared_kv(tensors: dict[str, TensorInfo], prefix: str,
+                     num_layers: int) -> int | None:
+    """Count of trailing layers with no k_proj, or None if K/V is present on
+    every layer (regular export) or the pattern is not a clean tail."""
+    has_k = [any(n.startswith(f"{prefix}layers.{i}.self_attn.k_proj.")
+                 for n in tensors) for i in range(num_layers)]
+    if all(has_k):
+        return None
+    first_missing = has_k.index(False)
+    if any(has_k[first_missing:]):
+        return None
+    return num_layers - first_missing
+
+
+def check(ckpt: Checkpoint) -> Report:
+    """Compare a checkpoint's headers with what gemma_qat loads."""
+    arch = architecture_of(ckpt.config)
+    geo = Geometry.from_text_config(text_config_of(ckpt.config))
+    prefix = language_model_prefix(ckpt.tensors)
+    expected = geo.expected(prefix)
+    skippable = geo.skippable(prefix)
+    quantized = any(_linear_base(n) for n in ckpt.tensors)
+
+    missing, unexpected, wrong, skipped = [], [], [], []
+    lm_tensors = 0
+    seen = set()
+    for name, info in ckpt.tensors.items():
+        if not is_language_model_tensor(name, prefix):
+            continue
+        lm_tensors += 1
+        if name == "lm_head.weight" or name == f"{prefix}lm_head.weight":
+            # Tied to embed_tokens in every Gemma 4 export; tolerated either way.
+            continue
+        base = _linear_base(name)
+        key = base + ".weight" if base else name
+        if is_shared_kv_tensor(name, geo.kv_share_map):
+            skipped.append(name)
+            continue
+        if key not in expected:
+            unexpected.append(name)
+            continue
+        seen.add(key)
+        want = expected[key]
+        if base is None and info.shape != want:
+            wrong.append((name, info.shape, want))
+        elif name.endswith(".weight_shape") and info.shape != (2, ):
+            wrong.append((name, info.shape, (2, )))
+        elif name.endswith(".weight_packed") and info.shape != (want[0],
+                                                                 want[1] // 8):
+            wrong.append((name, info.shape, (want[0], want[1] // 8)))
+        elif name.endswith(".weight_scale") and info.shape[0] != want[0]:
+            wrong.append((name, info.shape, (want[0], want[1] // 32)))
+    missing = [n for n in expected if n not in seen]
+    if quantized:
+        for base in {b for n in ckpt.tensors if (b := _linear_base(n))}:
+            for suffix in PACKED_SUFFIXES:
+                if f"{base}.{suffix}" not in ckpt.tensors:
+                    missing.append(f"{base}.{suffix}")
+
+    if quantized:
+        kind = "qat-w4a16-ct"
+    elif skipped:
+        kind = "regular-bf16"
+    else:
+        kind = "qat-bf16"
+    inferred = _infer_shared_kv(ckpt.tensors, prefix, geo.num_layers)
+    return Report(arch, geo, prefix, kind, expected, sorted(missing),
+                  sorted(unexpected), wrong, sorted(skipped), lm_tensors,
+                  inferred)

@@ -1,0 +1,119 @@
+"""Runtime fix for tpu-inference #3225, active only under --load-format gemma_qat.
+
+tpu-inference 0.32's JAX `Gemma4Attention` builds k_proj / v_proj / k_norm on
+every layer, although KV-shared layers read K/V from their source layer's
+cache slot and never use them. QAT exports omit those tensors, so they cannot
+load. While a `Gemma4Model` is built for gemma_qat, shared layers here get a
+parameter-free stand-in instead: it hands the attention kernel the (T, K, H)
+K/V operand its signature requires (ignored, as the layer passes
+`update_kv_cache=False`), so no K/V projection is computed.
+
+Other load formats and models are untouched. When tpu-inference already
+builds no K/V for shared layers (the upstream fix), nothing is changed.
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib.util
+import logging
+import sys
+
+LOAD_FORMAT = "gemma_qat"
+TARGET_MODULE = "tpu_inference.models.jax.gemma4"
+
+logger = logging.getLogger(__name__)
+_building_for_gemma_qat = contextvars.ContextVar("building_for_gemma_qat",
+                                                 default=False)
+
+
+def install() -> None:
+    """Patch the Gemma 4 JAX module now if it is imported, else right after
+    its import (importing it eagerly would cost every vLLM process ~8 s)."""
+    module = sys.modules.get(TARGET_MODULE)
+    if module is not None:
+        apply(module)
+    elif not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchAfterImport())
+
+
+class _PatchAfterImport:
+    """meta_path finder that lets the normal import run, then applies()."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != TARGET_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_apply(module):
+            exec_module(module)
+            apply(module)
+
+        spec.loader.exec_module = exec_then_apply
+        return spec
+
+
+def apply(gemma4) -> None:
+    if getattr(gemma4, "_vllm_gemma_qat_patched", False):
+        return
+    gemma4._vllm_gemma_qat_patched = True
+    _wrap_model_init(gemma4.Gemma4Model)
+    _wrap_attention_init(gemma4.Gemma4Attention, gemma4)
+
+
+def _wrap_model_init(cls) -> None:
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, vllm_config, *args, **kwargs):
+        load_format = getattr(vllm_config.load_config, "load_format", None)
+        token = _building_for_gemma_qat.set(load_format == LOAD_FORMAT)
+        try:
+            init(self, vllm_config, *args, **kwargs)
+        finally:
+            _building_for_gemma_qat.reset(token)
+
+    cls.__init__ = __init__
+
+
+def _wrap_attention_init(cls, gemma4) -> None:
+    init = cls.__init__
+    no_kv_projection = _no_kv_projection_class(gemma4.JaxModule)
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if not (_building_for_gemma_qat.get() and self.is_kv_shared_layer):
+            return
+        if getattr(self, "k_proj", None) is None:
+            logger.info("tpu-inference already builds no K/V for KV-shared "
+                        "layers; vllm-gemma-qat leaves Gemma4Attention as is")
+            return
+        self.k_proj = no_kv_projection(self.num_kv_heads, self.head_dim)
+        self.v_proj = None  # __call__ then reuses the k operand as v
+        self.k_norm = None
+
+    cls.__init__ = __init__
+
+
+@functools.cache
+def _no_kv_projection_class(module_base):
+
+    class NoKVProjection(module_base):
+        """Parameter-free stand-in for a KV-shared layer's k_proj: returns
+        the zero (T, K, H) operand the attention call needs but never reads."""
+
+        def __init__(self, num_kv_heads: int, head_dim: int):
+            self.num_kv_heads = num_kv_heads
+            self.head_dim = head_dim
+
+        def __call__(self, x):
+            import jax.numpy as jnp
+            return jnp.zeros((x.shape[0], self.num_kv_heads, self.head_dim),
+                             x.dtype)
+
+    return NoKVProjection

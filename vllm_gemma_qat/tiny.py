@@ -1,0 +1,157 @@
+"""Tiny random Gemma 4 E-family checkpoints, written by transformers.
+
+`save_pretrained` already writes the QAT layout: KV-shared layers get no
+k_proj / v_proj / k_norm. `layout="regular"` adds the unused tensors that
+Google's BF16 exports ship for those layers. Used by the demo, the tests and
+the benchmarks; nothing here is downloaded.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Two sharing geometries, scaled down. head_dim is a multiple of 128 because
+# tpu-inference pads other head sizes (and then logits no longer line up).
+GEOMETRIES = {
+    # E2B: (4 sliding + 1 full) blocks, 1 KV head, double-wide MLP on shared layers.
+    "e2b": dict(num_hidden_layers=10, num_kv_shared_layers=5, block=(4, 1),
+                num_attention_heads=2, num_key_value_heads=1,
+                use_double_wide_mlp=True),
+    # E4B: (5 sliding + 1 full) blocks, 2 KV heads, no double-wide MLP.
+    "e4b": dict(num_hidden_layers=12, num_kv_shared_layers=6, block=(5, 1),
+                num_attention_heads=4, num_key_value_heads=2,
+                use_double_wide_mlp=False),
+}
+SLIDING_WINDOW = 8
+VOCAB_SIZE = 512
+
+
+def text_config_kwargs(geometry: str = "e2b") -> dict:
+    g = dict(GEOMETRIES[geometry])
+    n_sliding, n_full = g.pop("block")
+    block = ["sliding_attention"] * n_sliding + ["full_attention"] * n_full
+    layer_types = (block * g["num_hidden_layers"])[:g["num_hidden_layers"]]
+    return dict(
+        vocab_size=VOCAB_SIZE,
+        vocab_size_per_layer_input=VOCAB_SIZE,
+        hidden_size=64,
+        hidden_size_per_layer_input=16,
+        intermediate_size=128,
+        head_dim=128,
+        global_head_dim=256,
+        layer_types=layer_types,
+        sliding_window=SLIDING_WINDOW,
+        final_logit_softcapping=30.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        attention_k_eq_v=False,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        **g,
+    )
+
+
+def build_config(geometry: str = "e2b", multimodal: bool = True):
+    from transformers import (Gemma4Config, Gemma4TextConfig,
+                              Gemma4VisionConfig)
+    text = Gemma4TextConfig(**text_config_kwargs(geometry))
+    if not multimodal:
+        text.architectures = ["Gemma4ForCausalLM"]
+        return text
+    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=16,
+                                position_embedding_size=10240,
+                                default_output_length=16)
+    config = Gemma4Config(text_config=text.to_dict(),
+                          vision_config=vision.to_dict(),
+                          audio_config=None,
+                          tie_word_embeddings=True)
+    config.architectures = ["Gemma4ForConditionalGeneration"]
+    return config
+
+
+def build_model(geometry: str = "e2b", multimodal: bool = True, seed: int = 0):
+    """A randomly initialised transformers model (fp32, eval mode)."""
+    import torch
+    from transformers import (Gemma4ForCausalLM,
+                              Gemma4ForConditionalGeneration)
+    torch.manual_seed(seed)
+    config = build_config(geometry, multimodal)
+    cls = Gemma4ForConditionalGeneration if multimodal else Gemma4ForCausalLM
+    model = cls(config).eval()
+    # Random init leaves norms at 0/1; spread them so a wrong norm formula
+    # (w vs 1 + w) or a dropped layer_scalar shows up in the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layer_scalar"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def save_checkpoint(model, path: str | Path, layout: str = "qat",
+                    dtype=None) -> Path:
+    """Write `model` as a safetensors checkpoint in the QAT or regular layout.
+
+    A text-only model is written the way tpu-inference's JAX
+    Gemma4ForCausalLM reads it: a `gemma4` config holding the text config,
+    tensors under `model.language_model.`.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from vllm_gemma_qat.geometry import text_config_of
+    if layout not in ("qat", "regular"):
+        raise ValueError(f"unknown layout {layout!r}")
+    path = Path(path)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(path, safe_serialization=True)
+    text_only = model.config.model_type == "gemma4_text"
+    if text_only:
+        _wrap_text_config(path)
+    if layout == "qat" and not text_only:
+        return path
+    shard = path / "model.safetensors"
+    tensors = load_file(shard)
+    if text_only:
+        tensors = {"model.language_model." + n[len("model."):]: t
+                   for n, t in tensors.items()}
+    if layout == "regular":
+        # Regular exports also ship K/V for the shared layers; the values are
+        # never read, so random ones of the right shape are faithful enough.
+        text = text_config_of(json.loads((path / "config.json").read_text()))
+        gen = torch.Generator().manual_seed(1234)
+        prefix = "model.language_model."
+        for i, (kv_heads, head_dim) in _shared_layer_kv_dims(text).items():
+            p = f"{prefix}layers.{i}.self_attn."
+            shape = (kv_heads * head_dim, text["hidden_size"])
+            dt = tensors[f"{p}q_proj.weight"].dtype
+            tensors[f"{p}k_proj.weight"] = torch.randn(shape, generator=gen).to(dt)
+            tensors[f"{p}v_proj.weight"] = torch.randn(shape, generator=gen).to(dt)
+            tensors[f"{p}k_norm.weight"] = torch.ones(head_dim, dtype=dt)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return path
+
+
+def _wrap_text_config(path: Path) -> None:
+    """tpu-inference's JAX Gemma4ForCausalLM reads `hf_config.text_config`, so
+    a text-only checkpoint it can build declares a `gemma4` config holding the
+    text config (with no towers), as text-only exports of Gemma 4 do."""
+    from transformers import Gemma4Config
+    file = path / "config.json"
+    text = json.loads(file.read_text())
+    config = Gemma4Config(text_config=text, vision_config=None,
+                          audio_config=None,
+                          tie_word_embeddings=text["tie_word_embeddings"])
+    config.architectures = ["Gemma4ForCausalLM"]
+    config.to_json_file(file)
+
+
+def _shared_layer_kv_dims(text: dict) -> dict[int, tuple[int, int]]:
+    from vllm_gemma_qat.geometry import Geometry
+    geo = Geometry.from_text_config(text)
+    return {i: (geo.kv_heads(i), geo.head_dim(i)) for i in geo.kv_share_map}
