@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextvars
 import functools
 import importlib.util
-import logging
+from vllm.logger import init_logger
 import sys
 
 LOAD_FORMAT = "gemma_qat"
 TARGET_MODULE = "tpu_inference.models.jax.gemma4"
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 _building_for_gemma_qat = contextvars.ContextVar("building_for_gemma_qat",
                                                  default=False)
 

@@ -1,50 +1,38 @@
-"""Checkpoint-name fixes between a Gemma 4 export and the model being loaded,
-and the strict accounting around `model.load_weights`."""
+"""Which checkpoint tensors go to the model, and the strict accounting
+around `model.load_weights`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from vllm_gemma_qat.checkpoint import Checkpoint, CheckpointError
 from vllm_gemma_qat.geometry import Report, is_shared_kv_tensor
 
 
-def sanitize(name: str, kv_share_map: dict[int, int],
-             text_only_prefix: bool) -> str | None:
-    """The name to hand to the model, or None to skip the tensor."""
-    if is_shared_kv_tensor(name, kv_share_map):
-        return None  # regular exports ship K/V that shared layers never read
-    if text_only_prefix and name.startswith("model."):
-        # transformers writes a text-only Gemma4ForCausalLM as `model.*`;
-        # tpu-inference resolves its weights under `model.language_model.*`.
-        return "model.language_model." + name[len("model."):]
-    return name
+def sanitize(names, kv_share_map: dict[int, int]) -> tuple[set, list]:
+    """Split checkpoint tensor names into (to load, to skip). Regular exports
+    ship k_proj/v_proj/k_norm for KV-shared layers, which never read them."""
+    keep, skip = set(), []
+    for name in names:
+        if is_shared_kv_tensor(name, kv_share_map):
+            skip.append(name)
+        else:
+            keep.add(name)
+    return keep, sorted(skip)
 
 
 @dataclass
 class LoadPlan:
     report: Report
-    text_only_prefix: bool
     skipped: list[str] = field(default_factory=list)
     handed_over: int = 0
 
-    @classmethod
-    def for_model(cls, report: Report, model) -> "LoadPlan":
-        is_jax = type(model).__module__.startswith("tpu_inference.")
-        return cls(report, text_only_prefix=is_jax and report.prefix == "model.")
-
     def stream(self, ckpt: Checkpoint):
-        from vllm_gemma_qat.loader import stream_tensors
-        share = self.report.geometry.kv_share_map
-        renamed = {}
-        for name in ckpt.tensors:
-            new = sanitize(name, share, self.text_only_prefix)
-            if new is None:
-                self.skipped.append(name)
-            else:
-                renamed[name] = new
-        for name, tensor in stream_tensors(ckpt, renamed.__contains__):
+        keep, self.skipped = sanitize(ckpt.tensors,
+                                      self.report.geometry.kv_share_map)
+        for name, tensor in stream_tensors(ckpt, keep.__contains__):
             self.handed_over += 1
-            yield renamed[name], tensor
+            yield name, tensor
 
     def skip_summary(self) -> str:
         if not self.skipped:
@@ -54,7 +42,10 @@ class LoadPlan:
                 f"tensors of KV-shared layers {layers[0]}-{layers[-1]} (they "
                 f"read K/V from their source layer's cache)")
 
-    def verify(self, model, loaded: set[str] | None, ckpt: Checkpoint) -> None:
+    def verify(self, model, loaded, ckpt: Checkpoint) -> None:
+        """Every checkpoint tensor was read (loaded or skipped on purpose;
+        the model's loader raises on names it does not know), and every
+        model parameter was loaded."""
         if self.handed_over + len(self.skipped) != len(ckpt.tensors):
             raise CheckpointError(
                 f"{ckpt.path}: only {self.handed_over + len(self.skipped)} of "
@@ -69,3 +60,14 @@ class LoadPlan:
             raise CheckpointError(
                 f"{ckpt.path}: model parameters not initialized from the "
                 f"checkpoint: {missing}")
+
+
+def stream_tensors(ckpt: Checkpoint, keep) -> Iterator[tuple[str, object]]:
+    """(name, torch tensor) for every tensor `keep(name)` accepts, one shard
+    at a time; the others are never read."""
+    from safetensors import safe_open
+    for file in ckpt.files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if keep(name):
+                    yield name, f.get_tensor(name)
