@@ -1,0 +1,136 @@
+"""`vllm-gemma-qat inspect` / `plan` on header-only checkpoints with the real
+E2B / E4B shapes (sparse files), and on tiny transformers checkpoints."""
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from vllm_gemma_qat import synthetic
+
+CLI = shutil.which("vllm-gemma-qat")
+
+
+def cli(*args):
+    out = subprocess.run([CLI, *map(str, args)], capture_output=True, text=True,
+                         timeout=60)
+    return out.returncode, out.stdout, out.stderr
+
+
+def inspect_json(path):
+    rc, out, err = cli("inspect", path, "--json")
+    return rc, json.loads(out)
+
+
+@pytest.mark.parametrize("name,layout,tensors,skipped,gemma_qat,auto", [
+    ("e2b", "regular", 600, 60, True, True),
+    ("e2b", "qat", 540, 0, True, False),
+    ("e4b", "regular", 719, 54, True, True),
+    ("e4b", "qat", 665, 0, True, False),
+])
+def test_inspect_counts_and_verdicts(tmp_path, name, layout, tensors, skipped,
+                                     gemma_qat, auto):
+    path = synthetic.write_header_only(tmp_path / "c", name, layout)
+    rc, s = inspect_json(path)
+    assert rc == 0
+    assert s["language_model_tensors"] == tensors
+    assert s["expected_tensors"] == tensors - skipped
+    assert s["skipped_shared_kv_tensors"] == skipped
+    assert (s["missing"], s["unexpected"], s["wrong_shape"]) == ([], [], [])
+    assert (s["loads_with_gemma_qat"], s["loads_with_auto"]) == (gemma_qat, auto)
+    assert s["export_kind"] == {"regular": "regular-bf16",
+                                "qat": "qat-bf16"}[layout]
+
+
+def test_inspect_e2b_geometry_text(tmp_path):
+    path = synthetic.write_header_only(tmp_path / "c", "e2b", "qat")
+    rc, out, _ = cli("inspect", path)
+    assert rc == 0
+    assert "35 (28 sliding, 7 full)" in out
+    assert "20 layers (15-34); K/V from sliding -> 13, full -> 14" in out
+    assert "with stock auto: no" in out and "#3225" in out
+
+
+def test_inspect_w4a16_export_kind(tmp_path):
+    path = synthetic.write_header_only(tmp_path / "c", "e2b", "w4a16")
+    rc, s = inspect_json(path)
+    assert rc == 0 and s["export_kind"] == "qat-w4a16-ct"
+    assert s["loads_with_gemma_qat"] and not s["loads_with_auto"]
+    assert set(s["weight_bytes_by_dtype"]) == {"BF16", "I32", "I64"}
+
+
+def test_inspect_missing_tensor_is_a_no(tmp_path):
+    name = "model.language_model.layers.7.mlp.up_proj.weight"
+    path = synthetic.write_header_only(tmp_path / "c", "e2b", "qat",
+                                       exclude={name})
+    rc, s = inspect_json(path)
+    assert rc == 1
+    assert s["missing"] == [name] and not s["loads_with_gemma_qat"]
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("truncate", r"model-00002-of-00002\.safetensors: truncated"),
+    ("garbage", r"model-00001-of-00002\.safetensors: corrupt safetensors header"),
+    ("missing_shard", r"model-00002-of-00002\.safetensors: shard named in "
+     r"model\.safetensors\.index\.json is missing"),
+    ("missing_config", r"config\.json: missing config\.json"),
+    ("non_gemma", r"not Gemma 4"),
+])
+def test_damaged_checkpoints_exit_2_with_one_message(tmp_path, damage, message):
+    import re
+    path = synthetic.write_header_only(tmp_path / "c", "e2b", "qat")
+    if damage == "truncate":
+        shard = path / "model-00002-of-00002.safetensors"
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size - 1)
+    elif damage == "garbage":
+        with open(path / "model-00001-of-00002.safetensors", "r+b") as f:
+            f.seek(8)
+            f.write(b"\xff\xfe not json")
+    elif damage == "missing_shard":
+        (path / "model-00002-of-00002.safetensors").unlink()
+    elif damage == "missing_config":
+        (path / "config.json").unlink()
+    elif damage == "non_gemma":
+        (path / "config.json").write_text(json.dumps(
+            {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    rc, out, err = cli("inspect", path)
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err
+
+
+def test_plan_e2b_reproduces_18_kib_per_token_and_1_21_gb(tmp_path):
+    path = synthetic.write_header_only(tmp_path / "c", "e2b", "qat")
+    rc, out, _ = cli("plan", path, "--agents", 8, "--context", 8192, "--json")
+    p = json.loads(out)
+    assert rc == 0 and p["fits"]
+    assert p["kv_bytes_per_token"] == 18 * 1024
+    assert p["kv_total_bytes"] == 8 * 8192 * 18 * 1024
+    assert round(p["kv_total_bytes"] / 1e9, 2) == 1.21
+    # SWA-aware: the 12 sliding layers stop at the 512-token window.
+    full = 3 * 2 * 512 * 2
+    assert p["kv_bytes_per_token_swa_full_layers"] == full
+    assert p["kv_total_bytes_swa"] == 8 * (8192 * full + 512 * (18 * 1024 - full))
+
+
+def test_plan_from_config_and_int4_and_overflow(tmp_path):
+    path = synthetic.write_header_only(tmp_path / "c", "e4b", "qat")
+    rc, out, _ = cli("plan", path / "config.json", "--json")
+    bf16 = json.loads(out)
+    rc4, out, _ = cli("plan", path / "config.json", "--weights", "int4", "--json")
+    int4 = json.loads(out)
+    assert rc == rc4 == 0
+    assert int4["weight_bytes"] < 0.75 * bf16["weight_bytes"]
+    # E4B: 24 non-shared layers, 20 sliding x 256 + 4 full x 512, 2 KV heads.
+    assert bf16["kv_bytes_per_token"] == (20 * 256 + 4 * 512) * 2 * 2 * 2
+    rc, out, _ = cli("plan", path, "--agents", 64, "--context", 131072)
+    assert rc == 1 and "does NOT fit" in out
+
+
+def test_inspect_agrees_with_transformers_checkpoints(tiny_models):
+    for layout, skipped in (("qat", 0), ("regular", 15)):
+        rc, s = inspect_json(tiny_models.checkpoint("e2b", True, layout))
+        assert rc == 0, s["errors"]
+        assert s["skipped_shared_kv_tensors"] == skipped
+        assert s["language_model_tensors"] == s["expected_tensors"] + skipped
