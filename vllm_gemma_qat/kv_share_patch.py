@@ -22,7 +22,8 @@ import sys
 LOAD_FORMAT = "gemma_qat"
 TARGET_MODULE = "tpu_inference.models.jax.gemma4"
 
-logger = init_logger(__name__)
+# Under the "vllm" logger so the lines show in vLLM's own log output.
+logger = init_logger(f"vllm.{__name__}")
 _building_for_gemma_qat = contextvars.ContextVar("building_for_gemma_qat",
                                                  default=False)
 

@@ -12,7 +12,8 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from vllm_gemma_qat import checkpoint, geometry, weights
 
-logger = init_logger(__name__)
+# Under the "vllm" logger so the lines show in vLLM's own log output.
+logger = init_logger(f"vllm.{__name__}")
 
 
 class GemmaQatModelLoader(BaseModelLoader):

@@ -1,0 +1,89 @@
+"""patches/ fixes #3225 in tpu-inference itself: applied to a copy of the
+installed (pinned) tpu-inference, stock `auto` loads both layouts with no
+plugin, the patch's own tests pass, and the plugin steps aside."""
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PATCHES = sorted((ROOT / "patches").glob("*.patch"))
+PINNED = "0.32.0"
+
+
+@pytest.fixture(scope="module")
+def patched(tmp_path_factory):
+    version = importlib.metadata.version("tpu-inference")
+    assert version == PINNED, (
+        f"patches/ targets tpu-inference {PINNED}, installed is {version}: "
+        "rebase the patch")
+    assert PATCHES, "no patch in patches/"
+    src = Path(importlib.util.find_spec("tpu_inference").origin).parent
+    root = tmp_path_factory.mktemp("tpu-inference-patched")
+    shutil.copytree(src, root / "tpu_inference",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for patch in PATCHES:
+        # git apply refuses any hunk that does not match exactly (no fuzz).
+        out = subprocess.run(["git", "apply", "--check", "-v", str(patch)],
+                             cwd=root, capture_output=True, text=True)
+        assert out.returncode == 0, (
+            f"{patch.name} no longer applies to tpu-inference {version}:\n"
+            f"{out.stderr}")
+        subprocess.run(["git", "apply", str(patch)], cwd=root, check=True)
+    return root
+
+
+def _run(args, root, **env):
+    environ = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{ROOT / 'tests'}",
+                   **env)
+    return subprocess.run([sys.executable, *map(str, args)], cwd=root,
+                          env=environ, capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_patch_touches_what_it_should(patched):
+    text = PATCHES[0].read_text()
+    for path in ("tpu_inference/models/jax/gemma4.py",
+                 "tpu_inference/models/jax/gemma4_mm.py",
+                 "tests/models/jax/test_gemma4_kv_share_params.py"):
+        assert f"diff --git a/{path} b/{path}" in text
+    assert (patched / "tests/models/jax/test_gemma4_kv_share_params.py").exists()
+
+
+def test_stock_auto_loads_both_layouts_with_patch_and_no_plugin(
+        patched, tiny_models):
+    paths = []
+    for geometry, multimodal in (("e2b", True), ("e4b", False)):
+        for layout in ("qat", "regular"):
+            src = tiny_models.checkpoint(geometry, multimodal, layout)
+            dst = patched.parent / f"{geometry}-{layout}"
+            if not dst.exists():
+                shutil.copytree(src, dst)
+            paths.append(dst)
+    # VLLM_PLUGINS names only tpu-inference's own plugin: ours stays out.
+    out = _run([ROOT / "tests" / "upstream_check.py", "stock", *paths], patched,
+               VLLM_PLUGINS="register_layers")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.stdout.count("ok stock auto") == 4, out.stdout
+
+
+def test_patch_own_tests_pass_against_patched_copy(patched):
+    out = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                "tests/models/jax/test_gemma4_kv_share_params.py"], patched)
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "2 passed" in out.stdout
+
+
+def test_plugin_detects_fixed_tpu_inference_and_still_loads(patched, tiny_models):
+    dst = patched.parent / "e2b-qat"
+    if not dst.exists():
+        shutil.copytree(tiny_models.checkpoint("e2b", True, "qat"), dst)
+    out = _run([ROOT / "tests" / "upstream_check.py", "plugin", dst], patched)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "ok plugin gemma_qat e2b qat" in out.stdout
+    assert "tpu-inference already builds no K/V" in out.stdout + out.stderr

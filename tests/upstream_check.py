@@ -1,0 +1,50 @@
+"""Run in a subprocess with a patched tpu-inference copy first on sys.path.
+
+    python upstream_check.py stock <ckpt>...   # stock `auto`, plugin not loaded
+    python upstream_check.py plugin <ckpt>     # gemma_qat with the plugin
+
+Prints one line per checkpoint; exits non-zero on the first failure.
+"""
+import logging
+import sys
+
+import numpy as np
+from vllm.plugins import load_general_plugins
+
+from vllm_gemma_qat import cpu_mode, tiny
+
+
+def main(mode, paths):
+    logging.basicConfig(level=logging.INFO)  # as vLLM's engine processes do
+    load_general_plugins()
+    import tpu_inference.models.jax.gemma4 as gemma4
+    assert hasattr(gemma4, "skip_kv_shared_layer_weights"), gemma4.__file__
+    plugin_loaded = "vllm_gemma_qat.kv_share_patch" in sys.modules
+    assert plugin_loaded == (mode == "plugin"), plugin_loaded
+    cpu_mode.install_attention()
+    for path in paths:
+        geometry, layout = path.rsplit("/", 1)[-1].split("-")
+        multimodal = geometry == "e2b"
+        load_format = "gemma_qat" if mode == "plugin" else "auto"
+        model, config, mesh = cpu_mode.load(path, load_format)
+        text = config.model_config.hf_config.text_config
+        from tpu_inference.models.common.kv_share import compute_kv_share_map
+        lm = (model.model.model.language_model if multimodal else
+              model.model.language_model)
+        for i in compute_kv_share_map(text):
+            attn = lm.layers[i].self_attn
+            assert attn.k_proj is None and attn.v_proj is None, (i, attn.k_proj)
+            assert attn.k_norm is None
+        hf = tiny.build_model(geometry, multimodal)
+        prompt = list(np.random.RandomState(0).randint(3, 500, size=21))
+        import torch
+        with torch.no_grad():
+            ref = hf(input_ids=torch.tensor([prompt])).logits[0].numpy()
+        got = cpu_mode.PagedRunner(model, config, mesh).step(prompt)
+        diff = float(np.abs(got - ref).max())
+        assert diff < 1e-4, diff
+        print(f"ok {mode} {load_format} {geometry} {layout} max|dlogit|={diff:.2e}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
