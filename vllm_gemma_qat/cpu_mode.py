@@ -113,16 +113,19 @@ def mesh():
     return Mesh(devices, MESH_AXIS_NAMES)
 
 
-def vllm_config(path, load_format: str, dtype: str = "float32"):
+def vllm_config(path, load_format: str, dtype: str = "float32",
+                hf_overrides: dict | None = None):
     from vllm.config import LoadConfig, ModelConfig, VllmConfig
     model_config = ModelConfig(model=str(path), dtype=dtype,
                                skip_tokenizer_init=True,
-                               max_model_len=MAX_MODEL_LEN)
+                               max_model_len=MAX_MODEL_LEN,
+                               hf_overrides=hf_overrides or {})
     return VllmConfig(model_config=model_config,
                       load_config=LoadConfig(load_format=load_format))
 
 
-def load(path, load_format: str, dtype: str = "float32"):
+def load(path, load_format: str, dtype: str = "float32",
+         hf_overrides: dict | None = None):
     """(ModelInterface, VllmConfig, mesh) through tpu-inference's get_model."""
     import jax
     from tpu_inference.distributed import jax_parallel_state
@@ -130,7 +133,7 @@ def load(path, load_format: str, dtype: str = "float32"):
     from vllm.config import set_current_vllm_config
     jax_parallel_state.init_pp_distributed_environment("127.0.0.1", 0, 1, None,
                                                        need_pp=False)
-    config = vllm_config(path, load_format, dtype)
+    config = vllm_config(path, load_format, dtype, hf_overrides)
     m = mesh()
     with set_current_vllm_config(config), jax.set_mesh(m):
         model = model_loader.get_model(config, jax.random.PRNGKey(0), m)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from vllm_gemma_qat import checkpoint, geometry, weights
+from vllm_gemma_qat import checkpoint, geometry, int4, weights
 
 # Under the "vllm" logger so the lines show in vLLM's own log output.
 logger = init_logger(f"vllm.{__name__}")
@@ -33,9 +33,28 @@ class GemmaQatModelLoader(BaseModelLoader):
         report = geometry.check(ckpt)
         report.raise_if_invalid(path)
 
-        plan = weights.LoadPlan(report)
+        plan = weights.LoadPlan(report, _int4_from_bf16(model_config, report))
         loaded = model.load_weights(plan.stream(ckpt))
         plan.verify(model, loaded, ckpt)
         logger.info("gemma_qat: loaded %d tensors from %s; %s", plan.handed_over,
                     path, plan.skip_summary())
+        if plan.int4_modules:
+            logger.info("gemma_qat: %d q4_0 bf16 linears recovered exactly and "
+                        "served as wNa16 int4", len(plan.int4_modules))
+        logger.info("gemma_qat: model weights by dtype: %s",
+                    weights.describe_bytes(weights.param_bytes_by_dtype(model)))
+
+
+def _int4_from_bf16(model_config, report) -> set[str]:
+    """Linears to quantize while loading: the model config asks for
+    compressed-tensors int4 (e.g. via --hf-overrides) but the checkpoint holds
+    them as bf16 (the -qat-q4_0-unquantized export)."""
+    quant = getattr(model_config.hf_config, "quantization_config", None)
+    if not quant or report.export_kind == "qat-w4a16-ct":
+        return set()
+    if not isinstance(quant, dict):
+        quant = quant.to_dict()
+    if quant.get("quant_method") != "compressed-tensors":
+        return set()
+    return int4.quantized_modules(quant, report.expected)
 

@@ -35,7 +35,7 @@ def text_config_kwargs(geometry: str = "e2b") -> dict:
         vocab_size=VOCAB_SIZE,
         vocab_size_per_layer_input=VOCAB_SIZE,
         hidden_size=64,
-        hidden_size_per_layer_input=16,
+        hidden_size_per_layer_input=32,  # a multiple of the int4 group size
         intermediate_size=128,
         head_dim=128,
         global_head_dim=256,
@@ -155,3 +155,110 @@ def _shared_layer_kv_dims(text: dict) -> dict[int, tuple[int, int]]:
     from vllm_gemma_qat.geometry import Geometry
     geo = Geometry.from_text_config(text)
     return {i: (geo.kv_heads(i), geo.head_dim(i)) for i in geo.kv_share_map}
+
+
+# --- int4 forms -------------------------------------------------------------
+
+W4A16_IGNORE = ["re:.*vision_tower.*", "re:.*embed_vision.*",
+                "re:.*audio.*", "re:.*per_layer_model_projection.*"]
+
+
+def put_on_int4_grid(model, seed: int = 0) -> dict[str, tuple]:
+    """Round every parameter to bf16 and put the linears the w4a16 export
+    quantizes on the q4_0 grid (w = d * q, q in [-8, 7], groups of 32 input
+    columns, bf16 d), a quarter of the groups peaking below level 8.
+    Returns {checkpoint module name: (q, d)} as numpy arrays."""
+    import re
+
+    import numpy as np
+    import torch
+
+    from vllm_gemma_qat import int4
+    pattern = re.compile(int4.W4A16_TARGET[3:])
+    rng = np.random.default_rng(seed)
+    grid = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+        for name, module in model.named_modules():
+            ckpt_name = _checkpoint_module_name(model, name)
+            if not (isinstance(module, torch.nn.Linear)
+                    and pattern.match(ckpt_name)):
+                continue
+            out_f, in_f = module.weight.shape
+            q = rng.integers(-8, 8, size=(out_f, in_f)).astype(np.int8)
+            # A quarter of the groups never reach level 8 (peak at 3..7).
+            groups = q.reshape(out_f, -1, int4.GROUP_SIZE)
+            low = rng.random(groups.shape[:2]) < 0.25
+            cap = rng.integers(3, 8, size=groups.shape[:2])[..., None]
+            groups[:] = np.where(low[..., None], np.clip(groups, -cap, cap),
+                                 groups)
+            # d = k * 2^-11 with k in [8, 15]: q * d then has at most 7
+            # significant bits, so the bf16 export, the int4 dequantization
+            # and the fp32 reference all hold exactly the same weights.
+            d = (rng.integers(8, 16, size=groups.shape[:2]) *
+                 2.0**-11).astype(np.float32).astype(int4.BF16)
+            module.weight.copy_(torch.from_numpy(
+                int4.dequantize(q, d).astype(np.float32)))
+            grid[ckpt_name] = (q, d)
+    return grid
+
+
+def _checkpoint_module_name(model, name: str) -> str:
+    # transformers' text-only Gemma4ForCausalLM names modules `model.layers.*`;
+    # the checkpoints here (and tpu-inference) use `model.language_model.*`.
+    if model.config.model_type == "gemma4_text" and name.startswith("model."):
+        return "model.language_model." + name[len("model."):]
+    return name
+
+
+def save_int4_checkpoint(model, path: str | Path, grid: dict, form: str,
+                         dtype=None) -> Path:
+    """An int4 QAT export of `model` (after `put_on_int4_grid`):
+
+    - "q4_0": the `-qat-q4_0-unquantized` form, grid linears as bf16 values;
+    - "w4a16": the `-qat-w4a16-ct` form, grid linears compressed-tensors
+      pack-quantized (written by compressed-tensors' own compressor) plus its
+      `quantization_config`.
+
+    Other tensors are saved in `dtype` (the real exports: bf16; None keeps
+    fp32, which lets tests compare logits tightly).
+    """
+    import torch
+    from compressed_tensors.compressors.pack_quantized.base import \
+        PackedQuantizationCompressor
+    from compressed_tensors.quantization import (QuantizationArgs,
+                                                 QuantizationConfig,
+                                                 QuantizationScheme)
+    from safetensors.torch import load_file, save_file
+
+    from vllm_gemma_qat import int4
+    if form not in ("q4_0", "w4a16"):
+        raise ValueError(f"unknown int4 form {form!r}")
+    path = save_checkpoint(model, path, layout="qat", dtype=dtype)
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=True,
+                               strategy="group", group_size=int4.GROUP_SIZE)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    shard = path / "model.safetensors"
+    tensors = load_file(shard)
+    for module, (q, d) in grid.items():
+        weight = tensors.pop(module + ".weight").to(torch.bfloat16)
+        if form == "q4_0":
+            tensors[module + ".weight"] = weight
+            continue
+        scale = torch.from_numpy(d.astype("float32")).to(torch.bfloat16)
+        packed = PackedQuantizationCompressor.compress(
+            {"weight": weight, "weight_scale": scale}, scheme)
+        for key, value in packed.items():
+            tensors[f"{module}.{key}"] = value
+    save_file(tensors, shard, metadata={"format": "pt"})
+    if form == "w4a16":
+        config = QuantizationConfig(config_groups={"group_0": scheme},
+                                    format="pack-quantized",
+                                    quantization_status="compressed",
+                                    ignore=W4A16_IGNORE)
+        file = path / "config.json"
+        data = json.loads(file.read_text())
+        data["quantization_config"] = config.model_dump(mode="json")
+        file.write_text(json.dumps(data, indent=2))
+    return path

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 / int4 with numpy)
+import numpy as np
+
 from vllm_gemma_qat.checkpoint import Checkpoint, CheckpointError
-from vllm_gemma_qat.geometry import Report, is_shared_kv_tensor
+from vllm_gemma_qat.geometry import (PACKED_SUFFIXES, Report,
+                                     is_shared_kv_tensor)
 
 
 def sanitize(names, kv_share_map: dict[int, int]) -> tuple[set, list]:
@@ -24,6 +28,9 @@ def sanitize(names, kv_share_map: dict[int, int]) -> tuple[set, list]:
 @dataclass
 class LoadPlan:
     report: Report
+    # Modules stored as bf16 on the q4_0 grid that the model holds as wNa16
+    # int4: their weight is handed over packed (see vllm_gemma_qat.int4).
+    int4_modules: set[str] = field(default_factory=set)
     skipped: list[str] = field(default_factory=list)
     handed_over: int = 0
 
@@ -32,7 +39,11 @@ class LoadPlan:
                                       self.report.geometry.kv_share_map)
         for name, tensor in stream_tensors(ckpt, keep.__contains__):
             self.handed_over += 1
-            yield name, tensor
+            module = name.removesuffix(".weight")
+            if module in self.int4_modules:
+                yield from packed_int4(module, tensor)
+            else:
+                yield name, tensor
 
     def skip_summary(self) -> str:
         if not self.skipped:
@@ -54,8 +65,10 @@ class LoadPlan:
             raise CheckpointError(
                 f"{type(model).__name__}.load_weights reports no loaded "
                 "weights; gemma_qat cannot check completeness")
+        loaded = set(loaded)
         params = {name for name, _ in model.named_parameters()}
-        missing = sorted(params - set(loaded))
+        missing = sorted(p for p in params - loaded
+                         if not _loaded_as_packed_int4(p, loaded))
         if missing:
             raise CheckpointError(
                 f"{ckpt.path}: model parameters not initialized from the "
@@ -71,3 +84,47 @@ def stream_tensors(ckpt: Checkpoint, keep) -> Iterator[tuple[str, object]]:
             for name in f.keys():
                 if keep(name):
                     yield name, f.get_tensor(name)
+
+
+def _loaded_as_packed_int4(param: str, loaded: set[str]) -> bool:
+    """tpu-inference's wNa16 method loads weight_packed / weight_scale /
+    weight_shape, then replaces them by the int4 `weight` and its
+    `weight_scale`: those count as loaded when all three arrived."""
+    module, _, leaf = param.rpartition(".")
+    return leaf in ("weight", "weight_scale") and all(
+        f"{module}.{suffix}" in loaded for suffix in PACKED_SUFFIXES)
+
+
+def packed_int4(module: str, weight) -> Iterator[tuple[str, object]]:
+    """A bf16 q4_0-grid weight as the compressed-tensors pack-quantized
+    tensors tpu-inference's wNa16 method loads."""
+    import ml_dtypes
+    import torch
+
+    from vllm_gemma_qat import int4
+    if weight.dtype != torch.bfloat16:
+        raise int4.OffGridError(
+            f"{module}.weight: {weight.dtype}, not a bf16 q4_0 QAT weight")
+    w = weight.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    q, d = int4.recover_grid(w, f"{module}.weight")
+    yield f"{module}.weight_packed", torch.from_numpy(int4.pack_int4(q))
+    yield f"{module}.weight_scale", torch.from_numpy(d.view(np.int16)).view(
+        torch.bfloat16)
+    yield f"{module}.weight_shape", torch.tensor(list(weight.shape))
+
+
+def param_bytes_by_dtype(model) -> dict[str, int]:
+    """Bytes the model's parameters take on device, by dtype (int4: half a
+    byte per value)."""
+    out: dict[str, int] = {}
+    for _, param in model.named_parameters():
+        value = param.get_value() if hasattr(param, "get_value") else param
+        name = str(value.dtype).removeprefix("torch.")
+        bits = 4 if name in ("int4", "uint4") else np.dtype(name).itemsize * 8
+        out[name] = out.get(name, 0) + int(np.prod(value.shape)) * bits // 8
+    return out
+
+
+def describe_bytes(by_dtype: dict[str, int]) -> str:
+    return ", ".join(f"{name} {n / 2**20:.1f} MiB"
+                     for name, n in sorted(by_dtype.items()))
