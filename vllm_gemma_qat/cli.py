@@ -183,6 +183,12 @@ def cmd_plan(args) -> int:
     return 0 if p.fits else 1
 
 
+def cmd_int4_overrides(args) -> int:
+    from vllm_gemma_qat import int4
+    print(json.dumps({"quantization_config": int4.w4a16_quantization_config()}))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="vllm-gemma-qat",
@@ -207,6 +213,11 @@ def main(argv=None) -> int:
     p.add_argument("--weights", choices=["bf16", "int4"], default="bf16")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
+    p = sub.add_parser(
+        "int4-overrides",
+        help="--hf-overrides JSON that serves a -qat-q4_0-unquantized export "
+        "as exact int4 (compressed-tensors w4a16, tpu-inference's wNa16)")
+    p.set_defaults(func=cmd_int4_overrides)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -273,8 +273,9 @@ class Report:
                 f"{g.num_kv_shared_layers}, but the checkpoint has K/V "
                 f"projections for {g.num_layers - self.shared_kv_inferred} of "
                 f"{g.num_layers} layers (i.e. {self.shared_kv_inferred} shared)")
-        out += [f"missing tensor {n} (expected shape {list(self.expected[n])})"
-                for n in self.missing]
+        out += [f"missing tensor {n}" + (
+            f" (expected shape {list(self.expected[n])})"
+            if n in self.expected else "") for n in self.missing]
         out += [f"tensor {n} has shape {list(got)}, expected {list(want)}"
                 for n, got, want in self.wrong_shape]
         out += [f"unexpected tensor {n}" for n in self.unexpected]

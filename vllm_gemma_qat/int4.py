@@ -25,6 +25,7 @@ from vllm_gemma_qat.geometry import LINEAR_SUFFIXES
 GROUP_SIZE = 32
 BF16 = ml_dtypes.bfloat16
 _LEVELS = (8, 7, 6, 5, 4, 3, 2, 1)  # finest grid first
+_CHUNK_GROUPS = (4096, 65536)
 
 
 class OffGridError(ValueError):
@@ -41,7 +42,6 @@ def recover_grid(weight: np.ndarray, name: str = "tensor",
     [out, in] on the q4_0 grid. Per group, the first that holds of: q * d ==
     weight exactly; bf16(q * d) == weight; |q * d - weight| <= 1 bf16 ulp
     for every value. Raises OffGridError otherwise."""
-    import jax
     if weight.dtype != BF16:
         raise OffGridError(f"{name}: expected bf16, got {weight.dtype}")
     out_features, in_features = weight.shape
@@ -49,8 +49,15 @@ def recover_grid(weight: np.ndarray, name: str = "tensor",
         raise OffGridError(f"{name}: input dim {in_features} is not a multiple "
                            f"of the group size {group_size}")
     w = weight.astype(np.float32).reshape(-1, group_size)
-    with jax.default_device(jax.devices("cpu")[0]):
-        q, d, ok = (np.asarray(a) for a in _recover_fn()(w))
+    # Fixed chunk shapes (zero-padded): two compilations serve every tensor.
+    chunk = _CHUNK_GROUPS[0] if len(w) <= _CHUNK_GROUPS[0] else _CHUNK_GROUPS[1]
+    recover = _compiled_recover(chunk, group_size)
+    parts = []
+    for start in range(0, len(w), chunk):
+        part = w[start:start + chunk]
+        padded = np.pad(part, ((0, chunk - len(part)), (0, 0)))
+        parts.append([np.asarray(a)[:len(part)] for a in recover(padded)])
+    q, d, ok = (np.concatenate(a) for a in zip(*parts))
     if not ok.all():
         bad = np.flatnonzero(~ok)
         row, group = divmod(int(bad[0]), in_features // group_size)
@@ -63,10 +70,20 @@ def recover_grid(weight: np.ndarray, name: str = "tensor",
 
 
 @functools.cache
+def _compiled_recover(groups: int, group_size: int):
+    """The search below, compiled once per chunk shape for the host CPU.
+    Ahead-of-time compiled, so the mesh / device contexts the model loader
+    runs under neither retrigger compilation nor move the work."""
+    import jax
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        return _recover_fn().lower(
+            jax.ShapeDtypeStruct((groups, group_size), np.float32)).compile()
+
+
 def _recover_fn():
     """Jitted search over levels x (least-squares d and its two bf16
-    neighbours); the best (test, level, candidate) per group wins. Built on
-    first use so importing this module does not import JAX."""
+    neighbours); the best (test, level, candidate) per group wins."""
     import jax
     import jax.numpy as jnp
 
@@ -92,7 +109,7 @@ def _recover_fn():
         tol = bf16_ulp(w)
         none = jnp.int32(1 << 20)
         best = jnp.where(peak > 0, none, -1)
-        best_q = jnp.zeros_like(w)
+        best_level = jnp.zeros(peak.shape, jnp.float32)
         best_d = jnp.zeros(peak.shape, jnp.float32)
         for li, level in enumerate(_LEVELS):
             ql = jnp.rint(w * (level * scale))
@@ -100,7 +117,8 @@ def _recover_fn():
             d_ls = round_bf16((ql * w).sum(-1, keepdims=True) /
                               jnp.maximum((ql * ql).sum(-1, keepdims=True), 1))
             for ci, step in enumerate((0, 1, -1)):
-                cand = as_f32(as_u32(d_ls) + jnp.uint32((step << 16) & 0xFFFFFFFF))
+                cand = as_f32(as_u32(d_ls) +
+                              jnp.uint32((step << 16) & 0xFFFFFFFF))
                 dq = ql * cand
                 test = jnp.where(
                     (dq == w).all(-1, keepdims=True), 0,
@@ -111,9 +129,10 @@ def _recover_fn():
                                 (test * len(_LEVELS) + li) * 3 + ci, none)
                 take = key < best
                 best = jnp.where(take, key, best)
-                best_q = jnp.where(take, ql, best_q)
+                best_level = jnp.where(take, level, best_level)
                 best_d = jnp.where(take, cand, best_d)
-        return best_q.astype(jnp.int8), best_d[:, 0], best[:, 0] < none
+        q = jnp.rint(w * (best_level * scale)).astype(jnp.int8)
+        return q, best_d[:, 0], best[:, 0] < none
 
     return recover
 
