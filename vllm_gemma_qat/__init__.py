@@ -20,3 +20,7 @@ def register() -> None:
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not GemmaQatModelLoader:
         register_model_loader(LOAD_FORMAT)(GemmaQatModelLoader)
     kv_share_patch.install()
+
+    from vllm_gemma_qat import cpu_mode
+    if cpu_mode.requested():  # opt-in, for tests and demos without a TPU
+        cpu_mode.enable()

@@ -11,6 +11,7 @@ shared layers on their source layer's cache). For tests and the demo;
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -40,9 +41,13 @@ def paged_attention(mesh, q, k, v, kv_cache, kv_lens, page_indices,
     num_seqs = distribution[-1]
 
     # Which sequence each query token belongs to, and its absolute position.
+    # Only the first num_seqs entries of cu_q_lens / kv_lens are meaningful
+    # (the runner's persistent buffers keep stale values past them).
     t = jnp.arange(num_tokens)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], t, side="right"), 0,
-                   max_num_seqs - 1)
+    live = jnp.arange(max_num_seqs) < num_seqs
+    seq = jnp.minimum(
+        ((t[:, None] >= cu_q_lens[None, 1:]) & live[None, :]).sum(axis=1),
+        max_num_seqs - 1)
     valid = t < cu_q_lens[num_seqs]
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
     pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
@@ -85,6 +90,72 @@ def paged_attention(mesh, q, k, v, kv_cache, kv_lens, page_indices,
     return out, slots.reshape(kv_cache.shape)
 
 
+CPU_MODE_ENV = "VLLM_GEMMA_QAT_CPU_MODE"
+CPU_MEMORY_ENV = "VLLM_GEMMA_QAT_CPU_MEMORY_GIB"  # the "HBM" the CPU offers
+
+
+def requested() -> bool:
+    return os.environ.get(CPU_MODE_ENV, "") == "1"
+
+
+def enable() -> None:
+    """Let `vllm serve` run through tpu-inference's runner on JAX's CPU
+    backend: replaces the Pallas attention kernel, builds the device mesh
+    from CPU devices (tpu-inference sorts devices by TPU coordinates), gives
+    the CPU a device-memory size (tpu-inference looks it up by TPU kind), and
+    drops the TPU-only XLA compiler options from the step / sampling jits."""
+    _refuse_on_tpu()
+    # First, before the modules that read them at import (sampling's jit).
+    from tpu_inference.models.common import compiler_options
+    compiler_options.get_step_fn_compiler_options = dict
+    compiler_options.get_sampling_compiler_options = dict
+    install_attention()
+    from tpu_inference import utils
+    from tpu_inference.runner import tpu_runner
+    tpu_runner.make_optimized_mesh = cpu_mesh
+    # On TPU, device_put copies host arrays into HBM. On the CPU backend it
+    # may alias the numpy buffer, which the runner refills for the next step
+    # while the last one still runs: copy first.
+    utils.general_device_put = _copying(utils.general_device_put)
+    # CPU devices report no memory stats and no TPU kind; tpu-inference then
+    # sizes the KV cache from live arrays against a per-kind HBM limit.
+    budget = int(float(os.environ.get(CPU_MEMORY_ENV, "0.1")) * 2**30)
+    utils.get_device_hbm_limit = lambda: budget
+    from tpu_inference.layers.jax.sample import sampling
+    from tpu_inference.models.common import model_loader
+    from tpu_inference.runner import decode_loop
+    for module in (model_loader, decode_loop, sampling):
+        for name in ("get_step_fn_compiler_options",
+                     "get_sampling_compiler_options"):
+            if hasattr(module, name):
+                setattr(module, name, dict)
+    logger.warning(
+        "vllm-gemma-qat CPU mode (%s=1): tpu-inference runs on JAX's CPU "
+        "backend with a pure-JAX paged attention, a CPU device mesh and no "
+        "TPU compiler options. For tests and demos only.", CPU_MODE_ENV)
+
+
+def _copying(device_put):
+
+    def put(tensor, *args, **kwargs):
+        import jax
+        tensor = jax.tree_util.tree_map(
+            lambda t: np.array(t, copy=True) if isinstance(t, np.ndarray) else t,
+            tensor)
+        return device_put(tensor, *args, **kwargs)
+
+    return put
+
+
+def cpu_mesh(axis_shapes, axis_names, *, devices=None):
+    """`make_optimized_mesh` for CPU devices, which have no TPU coords."""
+    import jax
+    devices = list(devices if devices is not None else jax.devices())
+    n = int(np.prod(axis_shapes))
+    return jax.sharding.Mesh(np.array(devices[:n]).reshape(axis_shapes),
+                             tuple(axis_names))
+
+
 def install_attention() -> None:
     """Route tpu-inference's attention through `paged_attention`."""
     _refuse_on_tpu()
@@ -96,9 +167,11 @@ def install_attention() -> None:
 
 
 def _refuse_on_tpu() -> None:
-    import jax
-    if any(d.platform == "tpu" for d in jax.devices()):
-        raise RuntimeError("vllm-gemma-qat CPU mode must not run on a TPU")
+    # Decided from the environment, not jax.devices(): initialising a JAX
+    # backend in vLLM's API server before it starts the engine is unsafe.
+    if os.environ.get("JAX_PLATFORMS", "") != "cpu":
+        raise RuntimeError("vllm-gemma-qat CPU mode needs JAX_PLATFORMS=cpu; "
+                           "it must never be active on a TPU")
 
 
 PAGE_SIZE = 16

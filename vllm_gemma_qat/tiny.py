@@ -262,3 +262,53 @@ def save_int4_checkpoint(model, path: str | Path, grid: dict, form: str,
         data["quantization_config"] = config.model_dump(mode="json")
         file.write_text(json.dumps(data, indent=2))
     return path
+
+
+# --- tokenizer --------------------------------------------------------------
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>",
+                  "<end_of_turn>"]
+# Gemma's chat format: BOS, then "<start_of_turn>role\n...<end_of_turn>\n"
+# per message (assistant is "model"), then the open model turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
+def save_tokenizer(path: str | Path) -> Path:
+    """A byte-level tokenizer (6 specials, 256 bytes, unused ids up to
+    VOCAB_SIZE) with
+    Gemma's special tokens and chat template; like Gemma's, it does not add
+    BOS itself (the chat template does)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = SPECIAL_TOKENS + byte_chars
+    # Like Gemma's <unusedN>: every model id decodes to something.
+    tokens += [f"<unused{i}>" for i in range(VOCAB_SIZE - len(tokens))]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                     use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
+        pad_token="<pad>", unk_token="<unk>",
+        additional_special_tokens=["<start_of_turn>", "<end_of_turn>"])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return Path(path)
+
+
+def save_servable(path: str | Path, geometry: str = "e2b",
+                  multimodal: bool = True, seed: int = 0):
+    """A model directory `vllm serve` accepts: tiny QAT checkpoint plus
+    tokenizer. Returns the transformers model it was written from."""
+    model = build_model(geometry, multimodal, seed)
+    save_checkpoint(model, path, layout="qat")
+    save_tokenizer(path)
+    return model

@@ -1,0 +1,89 @@
+"""Start and stop a real `vllm serve` on 127.0.0.1 in CPU mode (for the
+demo, the end-to-end tests and the serving benchmark's smoke run)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from vllm_gemma_qat.cpu_mode import CPU_MODE_ENV
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class CpuServer:
+    """`vllm serve MODEL --load-format gemma_qat ...` with CPU mode on; the
+    plugin reaches every vLLM process through its entry point."""
+
+    def __init__(self, model: str | Path, *extra_args: str, log: Path,
+                 port: int | None = None, startup_timeout: float = 600):
+        self.model, self.log = str(model), Path(log)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = ["--load-format", "gemma_qat", "--host", "127.0.0.1",
+                     "--port", str(self.port), "--dtype", "float32",
+                     "--max-model-len", "256", "--max-num-seqs", "8",
+                     *extra_args]
+        self.startup_timeout = startup_timeout
+        self.process = None
+
+    def __enter__(self) -> "CpuServer":
+        env = dict(os.environ, **{CPU_MODE_ENV: "1", "JAX_PLATFORMS": "cpu"})
+        command = [str(Path(sys.executable).with_name("vllm")), "serve",
+                   self.model, *self.args]
+        self._log_file = open(self.log, "w")
+        self.process = subprocess.Popen(command, env=env, stdout=self._log_file,
+                                        stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.time() + self.startup_timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with "
+                                   f"{self.process.returncode}; see {self.log}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2)
+                return self
+            except OSError:
+                time.sleep(1)
+        self.__exit__()
+        raise TimeoutError(f"vllm serve not up after {self.startup_timeout} s; "
+                           f"see {self.log}")
+
+    def __exit__(self, *exc) -> None:
+        if self.process and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log_file.close()
+
+    def post(self, path: str, body: dict, timeout: float = 300) -> dict:
+        request = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.load(response)
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples, summed over label sets, by metric name."""
+        text = urllib.request.urlopen(self.url + "/metrics").read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            name_labels, _, value = line.rpartition(" ")
+            name = name_labels.split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(value)
+        return out
