@@ -1,16 +1,18 @@
-"""The main job on an embedded default: build a tiny random Gemma 4 E2B-like
-QAT checkpoint (no shared-layer K/V, exactly what breaks tpu-inference
-#3225), load it with `--load-format gemma_qat` into tpu-inference's real JAX
-model on the CPU backend, and generate tokens greedily; transformers decodes
-the same checkpoint as the reference.
+"""The main job on an embedded default, on any machine: write a tiny random
+Gemma 4 E2B-like QAT checkpoint (no shared-layer K/V: what tpu-inference
+#3225 cannot load) with a Gemma-style tokenizer, start
+`vllm serve <dir> --load-format gemma_qat` on JAX's CPU backend (CPU mode),
+send a chat request to the OpenAI endpoint, print the answer, check its
+tokens against transformers, stop the server.
 
-    python -m vllm_gemma_qat.demo [--checkpoint DIR] [--max-tokens N]
+    python -m vllm_gemma_qat.demo [--dir DIR] [--max-tokens N]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import tempfile
+from pathlib import Path
 
 CPU_ENV = {"JAX_PLATFORMS": "cpu", "TPU_NAME": "cpu-ci",
            "TPU_ACCELERATOR_TYPE": "v6e-1", "TPU_WORKER_ID": "0",
@@ -21,33 +23,38 @@ def main(argv=None) -> int:
     for key, value in CPU_ENV.items():
         os.environ.setdefault(key, value)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", help="where to write the tiny "
-                        "checkpoint (default: a temporary directory)")
+    parser.add_argument("--dir", help="where to write the model and the "
+                        "server log (default: a temporary directory)")
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args(argv)
 
     import torch
-    from vllm.plugins import load_general_plugins
 
-    from vllm_gemma_qat import cpu_mode, tiny
-    path = args.checkpoint or tempfile.mkdtemp(prefix="gemma4-tiny-qat-")
-    hf = tiny.build_model("e2b", multimodal=True)
-    tiny.save_checkpoint(hf, path, layout="qat")
-    print(f"tiny Gemma 4 E2B-like QAT checkpoint: {path}")
-
-    load_general_plugins()  # the plugin, through its vllm.general_plugins entry point
-    cpu_mode.install_attention()
-    model, config, mesh = cpu_mode.load(path, "gemma_qat")
-    prompt = [2, 17, 123, 42, 301, 7, 88, 250, 19, 64, 5, 411, 99, 3, 12, 200,
-              145, 33]
-    tokens = cpu_mode.generate(cpu_mode.PagedRunner(model, config, mesh),
-                               prompt, args.max_tokens)
+    from vllm_gemma_qat import tiny
+    from vllm_gemma_qat.cpu_server import CpuServer
+    root = Path(args.dir or tempfile.mkdtemp(prefix="vllm-gemma-qat-demo-"))
+    model_dir = root / "gemma4-tiny-qat"
+    hf = tiny.save_servable(model_dir)
+    print(f"tiny Gemma 4 E2B-like QAT checkpoint + tokenizer: {model_dir}")
+    print(f"starting: vllm serve {model_dir} --load-format gemma_qat "
+          f"(CPU mode; log: {root / 'server.log'})")
+    with CpuServer(model_dir, log=root / "server.log") as server:
+        messages = [{"role": "user", "content": "Hello! Who are you?"}]
+        reply = server.post("/v1/chat/completions", {
+            "model": str(model_dir), "messages": messages, "temperature": 0,
+            "max_tokens": args.max_tokens, "ignore_eos": True,
+            "return_token_ids": True})
+    prompt_ids = reply["prompt_token_ids"]
+    tokens = reply["choices"][0]["token_ids"]
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=args.max_tokens,
-                          do_sample=False)[0, len(prompt):].tolist()
-    print(f"prompt ids:                   {prompt}")
-    print(f"tpu-inference (gemma_qat):    {tokens}")
-    print(f"transformers reference:       {ref}")
+        ref = hf.generate(torch.tensor([prompt_ids]),
+                          max_new_tokens=args.max_tokens,
+                          do_sample=False)[0, len(prompt_ids):].tolist()
+    print(f"request:   {messages[0]['content']!r}")
+    print(f"answer:    {reply['choices'][0]['message']['content']!r} "
+          "(random weights: random bytes)")
+    print(f"tokens:    {tokens}")
+    print(f"reference: {ref} (transformers, same checkpoint)")
     same = tokens == ref
     print("greedy tokens match the reference" if same else "MISMATCH")
     return 0 if same else 1
