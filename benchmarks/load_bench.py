@@ -1,0 +1,168 @@
+"""Load cost of gemma_qat vs stock tpu-inference, on the JAX CPU backend.
+
+Builds once (cached outside the repo) synthetic checkpoints with the real
+Gemma 4 E2B text-decoder shapes (~9 GB bf16 at --scale 1): the QAT layout and
+the regular layout (same values; linears on the int4 grid), then loads each
+in a fresh process:
+  stock  `auto`      on the regular export (the only one stock can load)
+  plugin `gemma_qat` on the QAT export
+  int4   `gemma_qat` on the QAT export with the w4a16 overrides (exact int4)
+and reports wall time, peak RSS and final parameter bytes, with ratios.
+
+    ./run python benchmarks/load_bench.py [--scale 1.0] [--cache DIR] [--skip-int4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def scaled_config(scale: float) -> dict:
+    from vllm_gemma_qat import synthetic
+    config = json.loads(json.dumps(synthetic.CONFIGS["e2b"]))
+    text = config["text_config"]
+    if scale < 1:
+        # Keep the layer pattern and sharing; shrink widths (multiples of 256).
+        for key in ("hidden_size", "intermediate_size"):
+            text[key] = max(256, int(text[key] * scale) // 256 * 256)
+        for key in ("vocab_size", "vocab_size_per_layer_input"):
+            text[key] = max(1024, int(text[key] * scale))
+    config["architectures"] = ["Gemma4ForCausalLM"]
+    config.pop("vision_config", None)
+    config["vision_config"] = None
+    config["audio_config"] = None
+    return config
+
+
+def build(path: Path, config: dict, layout: str) -> Path:
+    """Random checkpoint, linears on the q4_0 grid (bf16 d = k * 2^-11)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from vllm_gemma_qat import int4
+    from vllm_gemma_qat.geometry import Geometry, LINEAR_SUFFIXES
+    if (path / "done").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    geo = Geometry.from_text_config(config["text_config"])
+    shapes = geo.expected("model.language_model.")
+    if layout == "regular":
+        shapes.update(geo.skippable("model.language_model."))
+    rng = np.random.default_rng(0)
+    shard, size, index, n = {}, 0, {}, 0
+
+    def flush():
+        nonlocal shard, size, n
+        if shard:
+            name = f"model-{n:05d}.safetensors"
+            save_file(shard, path / name, metadata={"format": "pt"})
+            index.update({k: name for k in shard})
+            shard, size, n = {}, 0, n + 1
+
+    for name, shape in sorted(shapes.items()):
+        module = name.removesuffix(".weight")
+        if len(shape) == 2 and module.rsplit(".", 1)[-1].endswith(LINEAR_SUFFIXES) \
+                and "per_layer_model_projection" not in name:
+            q = rng.integers(-8, 8, size=shape, dtype=np.int8)
+            d = (rng.integers(8, 16, size=(shape[0], shape[1] // 32)) *
+                 2.0**-11).astype(np.float32)
+            w = (q.reshape(shape[0], -1, 32) * d[..., None]).reshape(shape)
+        else:
+            w = rng.standard_normal(shape, dtype=np.float32) * 0.02
+        shard[name] = torch.from_numpy(w).to(torch.bfloat16)
+        size += shard[name].numel() * 2
+        if size > 2 * 2**30:
+            flush()
+    flush()
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": index}))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    (path / "done").write_text("ok")
+    return path
+
+
+def child(path: str, load_format: str, int4_flag: str, out: str) -> None:
+    """One load in this (fresh) process; writes a JSON result."""
+    from vllm.plugins import load_general_plugins
+
+    from vllm_gemma_qat import cpu_mode, int4, weights
+    load_general_plugins()
+    overrides = ({"quantization_config": int4.w4a16_quantization_config()}
+                 if int4_flag == "int4" else None)
+    start = time.perf_counter()
+    model, _, _ = cpu_mode.load(path, load_format, dtype="bfloat16",
+                                hf_overrides=overrides)
+    wall = time.perf_counter() - start
+    by_dtype = weights.param_bytes_by_dtype(model.model)
+    Path(out).write_text(json.dumps({
+        "wall_s": wall,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "param_bytes": sum(by_dtype.values()), "param_bytes_by_dtype": by_dtype}))
+
+
+def run(label, path, load_format, int4_flag, cache) -> dict:
+    out = cache / f"result-{label}.json"
+    print(f"[{label}] loading {path.name} with --load-format {load_format}"
+          f"{' + int4 overrides' if int4_flag == 'int4' else ''} ...", flush=True)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, __file__, "--child", str(path), load_format,
+                    int4_flag, str(out)], check=True, env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    result = json.loads(out.read_text())
+    print(f"[{label}] {result['wall_s']:.1f} s, peak RSS "
+          f"{result['peak_rss_bytes'] / 2**30:.2f} GiB, params "
+          f"{result['param_bytes'] / 2**30:.2f} GiB", flush=True)
+    return result
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        return child(*sys.argv[2:6])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="width scale (1.0 = real E2B text decoder)")
+    parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
+        "XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-gemma-qat" / "bench")
+    parser.add_argument("--skip-int4", action="store_true")
+    args = parser.parse_args()
+    cache = args.cache / f"e2b-scale{args.scale:g}"
+    cache.mkdir(parents=True, exist_ok=True)
+    config = scaled_config(args.scale)
+    print(f"building (once) synthetic E2B text decoder, scale {args.scale:g}, "
+          f"in {cache} ...", flush=True)
+    qat = build(cache / "qat", config, "qat")
+    regular = build(cache / "regular", config, "regular")
+    size = sum(f.stat().st_size for f in qat.glob("*.safetensors"))
+    print(f"QAT checkpoint: {size / 1e9:.2f} GB", flush=True)
+    results = {"stock_regular": run("stock", regular, "auto", "bf16", cache),
+               "plugin_qat": run("plugin", qat, "gemma_qat", "bf16", cache)}
+    if not args.skip_int4:
+        results["plugin_int4"] = run("int4", qat, "gemma_qat", "int4", cache)
+    s, p = results["stock_regular"], results["plugin_qat"]
+    print()
+    print(f"plugin / stock load time:         {p['wall_s'] / s['wall_s']:.3f} "
+          "(goal <= 1.05)")
+    print(f"plugin peak RSS / param bytes:    "
+          f"{p['peak_rss_bytes'] / p['param_bytes']:.3f} (goal <= 1.25)")
+    print(f"stock  peak RSS / param bytes:    "
+          f"{s['peak_rss_bytes'] / s['param_bytes']:.3f}")
+    if "plugin_int4" in results:
+        i = results["plugin_int4"]
+        print(f"int4 / plugin bf16 param bytes:   "
+              f"{i['param_bytes'] / p['param_bytes']:.3f}")
+        print(f"int4 / plugin bf16 load time:     {i['wall_s'] / p['wall_s']:.3f}")
+    (cache / "results.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Both benchmarks run end to end in their smallest mode and write their
+outputs (timings are not asserted: these machines are noisy)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_load_bench_smallest_scale(tmp_path):
+    out = subprocess.run(
+        [sys.executable, ROOT / "benchmarks" / "load_bench.py", "--scale",
+         "0.02", "--cache", tmp_path], capture_output=True, text=True,
+        timeout=1500)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "plugin / stock load time:" in out.stdout
+    results = json.loads((tmp_path / "e2b-scale0.02" / "results.json").read_text())
+    assert set(results) == {"stock_regular", "plugin_qat", "plugin_int4"}
+    # Exact int4 holds fewer parameter bytes than the bf16 load.
+    assert (results["plugin_int4"]["param_bytes_by_dtype"].get("int4", 0) > 0)
+    assert results["plugin_int4"]["param_bytes"] < results["plugin_qat"]["param_bytes"]
+
+
+def test_serve_bench_smoke(tmp_path):
+    out = subprocess.run(
+        [sys.executable, ROOT / "benchmarks" / "serve_bench.py", "--smoke",
+         "--out", tmp_path], capture_output=True, text=True, timeout=1500)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["concurrency"] for r in results["sweep"]] == [1, 2]
+    assert results["agents"]["calls"] == 4
+    assert 0 < results["agents"]["prefix_cache_hit_rate"] <= 1
+    assert (tmp_path / "results.md").read_text().startswith("# Serving")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
