@@ -71,16 +71,24 @@ def build(path: Path, config: dict, layout: str) -> Path:
 
     for name, shape in sorted(shapes.items()):
         module = name.removesuffix(".weight")
-        if len(shape) == 2 and module.rsplit(".", 1)[-1].endswith(LINEAR_SUFFIXES) \
-                and "per_layer_model_projection" not in name:
-            q = rng.integers(-8, 8, size=shape, dtype=np.int8)
-            d = (rng.integers(8, 16, size=(shape[0], shape[1] // 32)) *
-                 2.0**-11).astype(np.float32)
-            w = (q.reshape(shape[0], -1, 32) * d[..., None]).reshape(shape)
-        else:
-            w = rng.standard_normal(shape, dtype=np.float32) * 0.02
-        shard[name] = torch.from_numpy(w).to(torch.bfloat16)
-        size += shard[name].numel() * 2
+        on_grid = (len(shape) == 2 and "per_layer_model_projection" not in name
+                   and module.rsplit(".", 1)[-1].endswith(LINEAR_SUFFIXES))
+        tensor = torch.empty(shape, dtype=torch.bfloat16)
+        rows = max(1, 2**24 // int(np.prod(shape[1:], dtype=np.int64)))
+        for r in range(0, shape[0], rows):  # chunks: bounded fp32 memory
+            n_rows = min(rows, shape[0] - r)
+            if on_grid:
+                q = rng.integers(-8, 8, size=(n_rows, shape[1]), dtype=np.int8)
+                d = (rng.integers(8, 16, size=(n_rows, shape[1] // 32)) *
+                     2.0**-11).astype(np.float32)
+                w = (q.reshape(n_rows, -1, 32) * d[..., None]).reshape(
+                    n_rows, shape[1])
+            else:
+                w = rng.standard_normal((n_rows, *shape[1:]),
+                                        dtype=np.float32) * 0.02
+            tensor[r:r + n_rows] = torch.from_numpy(w).to(torch.bfloat16)
+        shard[name] = tensor
+        size += tensor.numel() * 2
         if size > 2 * 2**30:
             flush()
     flush()
