@@ -49,7 +49,6 @@ def build(path: Path, config: dict, layout: str) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from vllm_gemma_qat import int4
     from vllm_gemma_qat.geometry import Geometry, LINEAR_SUFFIXES
     if (path / "done").exists():
         return path

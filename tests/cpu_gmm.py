@@ -9,7 +9,6 @@ in fp32; rows outside the local groups give zeros.
 """
 import contextlib
 
-import jax
 import jax.numpy as jnp
 
 

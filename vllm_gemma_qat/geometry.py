@@ -308,7 +308,6 @@ def check(ckpt: Checkpoint) -> Report:
     geo = Geometry.from_text_config(text_config_of(ckpt.config))
     prefix = language_model_prefix(ckpt.tensors)
     expected = geo.expected(prefix)
-    skippable = geo.skippable(prefix)
     quantized = any(_linear_base(n) for n in ckpt.tensors)
 
     missing, unexpected, wrong, skipped = [], [], [], []

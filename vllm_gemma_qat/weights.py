@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 / int4 with numpy)
+import ml_dtypes  # also registers bfloat16 / int4 with numpy
 import numpy as np
 
 from vllm_gemma_qat.checkpoint import Checkpoint, CheckpointError
@@ -98,7 +98,6 @@ def _loaded_as_packed_int4(param: str, loaded: set[str]) -> bool:
 def packed_int4(module: str, weight) -> Iterator[tuple[str, object]]:
     """A bf16 q4_0-grid weight as the compressed-tensors pack-quantized
     tensors tpu-inference's wNa16 method loads."""
-    import ml_dtypes
     import torch
 
     from vllm_gemma_qat import int4
