@@ -29,6 +29,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from vllm_gemma_qat.cpu_server import metric_totals
+
 # ../shared/GEMMA4_FACTS.md: vLLM on the regular BF16 export, TPU v6e-1,
 # random 1024 in / 128 out, aggregate output tok/s by concurrency.
 REFERENCE_TOK_S = {1: 209, 8: 1209, 32: 1636, 64: 2140, 100: 2215}
@@ -66,17 +68,6 @@ def sweep(base_url, model, tokenizer, concurrency, input_len, output_len,
     return rows
 
 
-def metrics(base_url) -> dict[str, float]:
-    text = urllib.request.urlopen(base_url + "/metrics").read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            name = key.split("{", 1)[0]
-            out[name] = out.get(name, 0.0) + float(value)
-    return out
-
-
 def chat_stream(base_url, model, messages, max_tokens):
     """(content, ttft_s, total_s, completion_tokens) of one streamed call."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens,
@@ -107,7 +98,7 @@ def chat_stream(base_url, model, messages, max_tokens):
 
 def agents(base_url, model, n_agents, turns, max_tokens) -> dict:
     import jsonschema
-    before = metrics(base_url)
+    before = metric_totals(base_url)
     calls, lock = [], threading.Lock()
 
     errors = []
@@ -147,7 +138,7 @@ def agents(base_url, model, n_agents, turns, max_tokens) -> dict:
     wall = time.perf_counter() - start
     if errors:
         raise RuntimeError(f"{len(errors)} agent(s) failed") from errors[0]
-    after = metrics(base_url)
+    after = metric_totals(base_url)
     queries = (after.get("vllm:prefix_cache_queries_total", 0) -
                before.get("vllm:prefix_cache_queries_total", 0))
     hits = (after.get("vllm:prefix_cache_hits_total", 0) -

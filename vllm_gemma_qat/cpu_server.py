@@ -77,13 +77,18 @@ class CpuServer:
             return json.load(response)
 
     def metrics(self) -> dict[str, float]:
-        """Prometheus samples, summed over label sets, by metric name."""
-        text = urllib.request.urlopen(self.url + "/metrics").read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("#") or not line.strip():
-                continue
-            name_labels, _, value = line.rpartition(" ")
-            name = name_labels.split("{", 1)[0]
-            out[name] = out.get(name, 0.0) + float(value)
-        return out
+        return metric_totals(self.url)
+
+
+def metric_totals(base_url: str) -> dict[str, float]:
+    """Prometheus samples of `base_url`/metrics, summed over label sets, by
+    metric name."""
+    text = urllib.request.urlopen(base_url + "/metrics").read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        out[name] = out.get(name, 0.0) + float(value)
+    return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from vllm_gemma_qat.geometry import Geometry
+from vllm_gemma_qat.geometry import LINEAR_SUFFIXES, Geometry
 
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1, "int8": 1}
 GIB = 1024**3
@@ -33,8 +33,7 @@ def linear_params(geo: Geometry) -> int:
     total = 0
     for i in range(geo.num_layers):
         for name, shape in geo.layer_tensors(i).items():
-            if name.removesuffix(".weight").endswith(
-                    ("_proj", "per_layer_input_gate", "per_layer_projection")):
+            if name.removesuffix(".weight").endswith(LINEAR_SUFFIXES):
                 total += shape[0] * shape[1]
     return total
 

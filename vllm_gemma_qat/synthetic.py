@@ -8,7 +8,7 @@ import json
 import struct
 from pathlib import Path
 
-from vllm_gemma_qat.geometry import Geometry
+from vllm_gemma_qat.geometry import LINEAR_SUFFIXES, Geometry
 
 _DTYPE_BYTES = {"BF16": 2, "I32": 4, "I64": 8, "F32": 4}
 
@@ -68,8 +68,7 @@ def checkpoint_tensors(name: str, layout: str) -> dict[str, tuple[str, tuple]]:
     for tensor, shape in shapes.items():
         base = tensor.removesuffix(".weight")
         quantize = (layout == "w4a16" and tensor.startswith(prefix + "layers.")
-                    and base.rsplit(".", 1)[-1].endswith(
-                        ("_proj", "per_layer_input_gate", "per_layer_projection")))
+                    and base.rsplit(".", 1)[-1].endswith(LINEAR_SUFFIXES))
         if quantize:
             out[base + ".weight_packed"] = ("I32", (shape[0], shape[1] // 8))
             out[base + ".weight_scale"] = ("BF16", (shape[0], shape[1] // 32))
