@@ -1,7 +1,7 @@
 """Exact int4: grid recovery, packing, and both QAT int4 exports loaded
 through gemma_qat into tpu-inference's wNa16 path (CPU; tokamax's TPU-only
-gmm_v2 replaced by tests/cpu_gmm.py, itself checked against tokamax's own
-reference)."""
+gmm_v2 replaced by CPU mode's vllm_gemma_qat/cpu_gmm.py, itself checked
+against tokamax's own reference)."""
 import re
 import shutil
 
@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-import cpu_gmm
+from vllm_gemma_qat import cpu_gmm
 import harness
-from vllm_gemma_qat import int4, tiny
+from vllm_gemma_qat import checkpoint, geometry, int4, quantization, tiny
 from vllm_gemma_qat.checkpoint import CheckpointError
 
 BF16 = ml_dtypes.bfloat16
-LINEAR = re.compile(int4.W4A16_TARGET[3:])
 # Both sides use the same exact weights (fp32 activations, q * d exact), so
 # only summation order differs; a nibble-order, offset or scale bug moves
 # logits by ~1e-1.
@@ -96,6 +95,19 @@ def test_recover_grid_fp16_scales_within_one_bf16_ulp():
     assert (np.abs(got - want) <= ulp).all()
 
 
+def test_recover_grid_takes_ggml_negative_scales():
+    # GGML's q4_0 puts the signed peak on level -8: d < 0 for a positive peak.
+    rng = np.random.default_rng(5)
+    q = rng.integers(-8, 8, size=(16, 64)).astype(np.int8)
+    q[:, ::32] = -8
+    d = -rng.uniform(1e-3, 2e-2, size=(16, 2)).astype(BF16)
+    w = int4.dequantize(q, d)
+    assert (w.astype(np.float32).reshape(16, 2, 32).max(-1) > 0).all()
+    q2, d2 = int4.recover_grid(w, "w")
+    np.testing.assert_array_equal(int4.dequantize(q2, d2).view(np.uint16),
+                                  w.view(np.uint16))
+
+
 def test_off_grid_tensor_raises_naming_tensor_and_group():
     _, _, w = _grid(np.random.default_rng(3))
     w[5, 70] = BF16(float(w[5, 70]) * 1.37 + 1e-3)
@@ -134,18 +146,44 @@ def int4_model():
     return hf, grid
 
 
+PLMP = "model.language_model.per_layer_model_projection"
+# (form, extra ignore): Google's recipe packs per_layer_model_projection too;
+# a variant keeps it bf16. The set must follow the checkpoint either way.
+FORMS = {"w4a16": ("w4a16", ()),
+         "w4a16-plmp-bf16": ("w4a16", ("re:.*per_layer_model_projection.*", )),
+         "q4_0": ("q4_0", ())}
+
+
 @pytest.fixture(scope="module")
 def int4_checkpoints(int4_model, tmp_path_factory):
     hf, grid = int4_model
     root = tmp_path_factory.mktemp("int4")
-    return {form: tiny.save_int4_checkpoint(hf, root / form, grid, form)
-            for form in ("w4a16", "q4_0")}
+    return {name: tiny.save_int4_checkpoint(hf, root / name, grid, form,
+                                            ignore=ignore)
+            for name, (form, ignore) in FORMS.items()}
 
 
-def _load(form, path):
-    overrides = ({"quantization_config": int4.w4a16_quantization_config()}
-                 if form == "q4_0" else None)
+def _load(form, path, overrides=None):
+    if form == "q4_0" and overrides is None:
+        overrides = {"quantization_config":
+                     quantization.w4a16_quantization_config()}
     return harness.load(path, "gemma_qat", hf_overrides=overrides)
+
+
+def _int4_modules(model) -> set[str]:
+    """Checkpoint module names of the model's int4 weights (tpu-inference
+    fuses gate_proj + up_proj into gate_up_proj)."""
+    out = set()
+    lm = model.model.model.language_model
+    for name, param in lm.named_parameters():
+        if name.endswith(".weight") and str(param[...].dtype) == "int4":
+            module = "model.language_model." + name.removesuffix(".weight")
+            if module.endswith(".gate_up_proj"):
+                base = module.removesuffix("gate_up_proj")
+                out |= {base + "gate_proj", base + "up_proj"}
+            else:
+                out.add(module)
+    return out
 
 
 def _linear_int4_ratio(model):
@@ -161,18 +199,22 @@ def _linear_int4_ratio(model):
     return int4_bytes / bf16_bytes, bf16_bytes
 
 
-@pytest.mark.parametrize("form", ["w4a16", "q4_0"])
+@pytest.mark.parametrize("name", FORMS)
 def test_int4_export_loads_and_matches_transformers(plugin, int4_model,
-                                                    int4_checkpoints, form):
+                                                    int4_checkpoints, name):
     hf, grid = int4_model
-    model, config, mesh = _load(form, int4_checkpoints[form])
+    form, ignore = FORMS[name]
+    path = int4_checkpoints[name]
+    report = geometry.check(checkpoint.open_checkpoint(path))
+    model, config, mesh = _load(form, path)
     lm = model.model.model.language_model
-    # Every grid linear is int4; embeddings, norms and the tower are not.
-    assert str(lm.layers[0].self_attn.q_proj.weight[...].dtype) == "int4"
-    assert str(lm.layers[0].mlp.gate_up_proj.weight[...].dtype) == "int4"
-    assert str(lm.layers[0].per_layer_projection.weight[...].dtype) == "int4"
+    # The int4 set is the checkpoint's (w4a16: its packed modules; q4_0: what
+    # the overrides select), per_layer_model_projection included or not.
+    linears = set(report.geometry.linear_modules(report.prefix))
+    want = set(report.quantized) if form == "w4a16" else linears
+    assert _int4_modules(model) == want
+    assert (PLMP in want) == (not ignore)
     assert str(lm.embed_tokens.weight[...].dtype) != "int4"
-    assert str(lm.per_layer_model_projection.weight[...].dtype) != "int4"
     assert all(str(p[...].dtype) != "int4"
                for _, p in model.model.model.vision_tower.named_parameters())
     # Shared layers still own no K/V.
@@ -225,3 +267,73 @@ def test_w4a16_missing_scale_is_named_not_a_jax_type_error(
     save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=rf"missing tensor {re.escape(name)}"):
         _load("w4a16", path)
+
+
+def _edit_config(path, edit):
+    import json
+    file = path / "config.json"
+    config = json.loads(file.read_text())
+    edit(config["quantization_config"])
+    file.write_text(json.dumps(config))
+
+
+def test_w4a16_config_disagreeing_with_tensors_names_the_module(
+        plugin, int4_checkpoints, tmp_path):
+    # Checkpoint keeps per_layer_model_projection bf16, config quantizes it.
+    bf16_plmp = tmp_path / "a"
+    shutil.copytree(int4_checkpoints["w4a16-plmp-bf16"], bf16_plmp)
+    _edit_config(bf16_plmp, lambda q: q.update(ignore=list(
+        quantization.W4A16_IGNORE)))
+    with pytest.raises(CheckpointError,
+                       match=rf"quantization_config quantizes {PLMP}, but the "
+                       rf"checkpoint holds it as bf16 {PLMP}\.weight"):
+        _load("w4a16", bf16_plmp)
+    # Checkpoint packs it, config ignores it.
+    packed_plmp = tmp_path / "b"
+    shutil.copytree(int4_checkpoints["w4a16"], packed_plmp)
+    _edit_config(packed_plmp,
+                 lambda q: q["ignore"].append(PLMP))
+    report = geometry.check(checkpoint.open_checkpoint(packed_plmp))
+    assert not report.loads_with_gemma_qat
+    assert report.inconsistent == [
+        f"{PLMP} is pack-quantized in the checkpoint, but quantization_config "
+        "does not quantize it (targets ['Linear'], ignore "
+        f"{list(quantization.W4A16_IGNORE) + [PLMP]})"]
+
+
+def test_int4_overrides_for_a_checkpoint_keeps_off_grid_modules_bf16(
+        plugin, int4_checkpoints, tmp_path):
+    import json
+    import subprocess
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "q4"
+    shutil.copytree(int4_checkpoints["q4_0"], path)
+    shard = path / "model.safetensors"
+    tensors = load_file(shard)
+    off = "model.language_model.layers.2.mlp.up_proj"
+    tensors[off + ".weight"][3, 40] = tensors[off + ".weight"][3, 40] * 1.37 + 1e-3
+    save_file(tensors, shard, metadata={"format": "pt"})
+    out = subprocess.run([shutil.which("vllm-gemma-qat"), "int4-overrides",
+                          str(path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    gate = off.removesuffix("up_proj") + "gate_proj"
+    assert re.search(rf"stays bf16: {re.escape(off)}\.weight: 1 group\(s\) "
+                     r"off the int4 grid, first row 3 group 1", out.stderr)
+    assert f"stays bf16: {gate} (fused with" in out.stderr
+    overrides = json.loads(out.stdout)
+    assert overrides["quantization_config"]["ignore"][-2:] == [off, gate]
+    model, config, mesh = _load("q4_0", path, overrides)
+    report = geometry.check(checkpoint.open_checkpoint(path))
+    linears = set(report.geometry.linear_modules(report.prefix))
+    assert _int4_modules(model) == linears - {off, gate}
+    # The bf16 gate/up pair computes what transformers computes from the
+    # edited checkpoint.
+    from transformers import Gemma4ForConditionalGeneration
+    hf = Gemma4ForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32).eval()
+    prompt = list(np.random.RandomState(0).randint(3, 500, size=21))
+    with harness.cpu_attention(), cpu_gmm.installed():
+        got = harness.PagedRunner(model, config, mesh).step(prompt)
+    np.testing.assert_allclose(got, harness.hf_logits(hf, prompt),
+                               atol=LOGIT_ATOL, rtol=0)

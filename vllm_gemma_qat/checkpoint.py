@@ -28,13 +28,18 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     file: str
+    offset: int = 0  # of the data in the file
 
     @property
-    def nbytes(self) -> int:
-        n = DTYPE_BYTES[self.dtype]
+    def numel(self) -> int:
+        n = 1
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def nbytes(self) -> int:
+        return DTYPE_BYTES[self.dtype] * self.numel
 
 
 @dataclass
@@ -122,9 +127,9 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     data_end = 0
     for name, entry in header.items():
         try:
-            info = TensorInfo(name, entry["dtype"], tuple(entry["shape"]),
-                              file.name)
             begin, end = entry["data_offsets"]
+            info = TensorInfo(name, entry["dtype"], tuple(entry["shape"]),
+                              file.name, 8 + n + begin)
             ok = info.dtype in DTYPE_BYTES and end - begin == info.nbytes
         except (KeyError, TypeError, ValueError):
             ok = False
@@ -151,3 +156,15 @@ def open_checkpoint(path: Path) -> Checkpoint:
                     f"{f}: tensor {name} also in {ckpt.tensors[name].file}")
             ckpt.tensors[name] = info
     return ckpt
+
+
+def read_bf16(ckpt: Checkpoint, name: str):
+    """One BF16 tensor as a numpy (ml_dtypes) array, read straight from its
+    shard: no torch, no copy of the rest."""
+    import ml_dtypes
+    import numpy as np
+    info = ckpt.tensors[name]
+    if info.dtype != "BF16":
+        raise CheckpointError(f"{name}: {info.dtype}, expected BF16")
+    return np.fromfile(ckpt.path / info.file, dtype=ml_dtypes.bfloat16,
+                       count=info.numel, offset=info.offset).reshape(info.shape)

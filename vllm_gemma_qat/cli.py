@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
 
-from vllm_gemma_qat import checkpoint, geometry, plan
+from vllm_gemma_qat import checkpoint, geometry, plan, quantization
 from vllm_gemma_qat.checkpoint import CheckpointError
 
 
@@ -67,6 +68,7 @@ def inspect_summary(ckpt, report: geometry.Report) -> dict:
                         for n, g, w in report.wrong_shape],
         "errors": report.errors(),
         "weight_bytes_by_dtype": dict(by_dtype),
+        "quantized_modules": report.quantized,
         "loads_with_gemma_qat": report.loads_with_gemma_qat,
         "loads_with_auto": report.loads_with_auto,
         "auto_reason": _auto_reason(report),
@@ -98,6 +100,14 @@ def _print_inspect(s: dict) -> None:
     print(f"wrong shape   {len(s['wrong_shape'])}" + "".join(
         f"\n  {w['tensor']}: {w['shape']}, expected {w['expected']}"
         for w in s["wrong_shape"][:20]))
+    print(f"int4 modules  {len(s['quantized_modules'])}"
+          + (f" ({_module_summary(s['quantized_modules'])})"
+             if s["quantized_modules"] else ""))
+    if "grid" in s:
+        off = s["grid"]["off_grid"]
+        print(f"q4_0 grid     {s['grid']['on_grid']} of "
+              f"{s['grid']['on_grid'] + len(off)} bf16 linears on the int4 "
+              f"grid" + "".join(f"\n  off grid: {m}" for m in off))
     print("weights       " + ", ".join(
         f"{d} {_gb(n)}" for d, n in sorted(s["weight_bytes_by_dtype"].items())))
     yes = {True: "yes", False: "no"}
@@ -108,9 +118,35 @@ def _print_inspect(s: dict) -> None:
         print(f"  error: {e}")
 
 
+def _module_summary(modules: list[str]) -> str:
+    """`layers.*.mlp.down_proj x35, per_layer_model_projection`: per-layer
+    modules counted under one pattern."""
+    counts = Counter(re.sub(r"^.*?layers\.\d+\.", "layers.*.", m)
+                     if re.search(r"layers\.\d+\.", m) else
+                     m.rsplit(".", 1)[-1] for m in modules)
+    return ", ".join(f"{m} x{n}" if n > 1 else m
+                     for m, n in sorted(counts.items()))
+
+
+def _bf16_linears(report: geometry.Report) -> list[str]:
+    quantized = set(report.quantized)
+    return [m for m in report.geometry.linear_modules(report.prefix)
+            if m not in quantized]
+
+
+def _off_grid(ckpt, report: geometry.Report) -> dict[str, str]:
+    """{bf16 linear off the q4_0 grid: why}."""
+    from vllm_gemma_qat import int4
+    return int4.off_grid_modules(ckpt, _bf16_linears(report))
+
+
 def cmd_inspect(args) -> int:
     ckpt, report = _open(args.checkpoint)
     summary = inspect_summary(ckpt, report)
+    if args.grid and report.loads_with_gemma_qat:
+        off = _off_grid(ckpt, report)
+        summary["grid"] = {"on_grid": len(_bf16_linears(report)) - len(off),
+                           "off_grid": sorted(off)}
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
@@ -184,8 +220,32 @@ def cmd_plan(args) -> int:
 
 
 def cmd_int4_overrides(args) -> int:
-    from vllm_gemma_qat import int4
-    print(json.dumps({"quantization_config": int4.w4a16_quantization_config()}))
+    ignore = []
+    if args.checkpoint:
+        ckpt, report = _open(args.checkpoint)
+        report.raise_if_invalid(ckpt.path)
+        if report.quantized:
+            raise CheckpointError(
+                f"{ckpt.path}: already pack-quantized ({report.export_kind}); "
+                "serve it without --hf-overrides")
+        linears = _bf16_linears(report)
+        off = _off_grid(ckpt, report)
+        ignore = sorted(off)
+        for module, why in sorted(off.items()):
+            print(f"stays bf16: {why}", file=sys.stderr)
+        # tpu-inference fuses gate_proj and up_proj: an off-grid half keeps
+        # its partner bf16 too.
+        for gate in linears:
+            up = gate.removesuffix("gate_proj") + "up_proj"
+            if gate.endswith(".mlp.gate_proj") and (gate in off) != (up in off):
+                partner = up if gate in off else gate
+                ignore.append(partner)
+                print(f"stays bf16: {partner} (fused with its off-grid "
+                      "gate_proj / up_proj)", file=sys.stderr)
+        print(f"{len(linears) - len(ignore)} of {len(linears)} bf16 linears "
+              f"become int4", file=sys.stderr)
+    print(json.dumps({"quantization_config":
+                      quantization.w4a16_quantization_config(ignore)}))
     return 0
 
 
@@ -199,6 +259,9 @@ def main(argv=None) -> int:
     p.add_argument("checkpoint", help="local directory or hub repo id in the "
                    "local HF cache")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--grid", action="store_true",
+                   help="also read the bf16 linears and report which lie on "
+                   "the q4_0 int4 grid (reads their data, not headers only)")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("plan", help="weights + KV cache for N agents x T tokens")
     p.add_argument("target", help="checkpoint directory, repo id, or config.json")
@@ -217,6 +280,9 @@ def main(argv=None) -> int:
         "int4-overrides",
         help="--hf-overrides JSON that serves a -qat-q4_0-unquantized export "
         "as exact int4 (compressed-tensors w4a16, tpu-inference's wNa16)")
+    p.add_argument("checkpoint", nargs="?",
+                   help="read this checkpoint's linears and quantize only "
+                   "those on the q4_0 grid (off-grid ones named on stderr)")
     p.set_defaults(func=cmd_int4_overrides)
     args = parser.parse_args(argv)
     try:

@@ -2,8 +2,10 @@
 
 Only what is TPU-only is substituted: the Pallas ragged-paged-attention
 kernel, by `paged_attention` below (pure JAX, same cache layout, same
-`update_kv_cache` / sliding-window / soft-cap semantics), and the device mesh
-(built from the CPU device). `load` builds the model through tpu-inference's
+`update_kv_cache` / sliding-window / soft-cap semantics), tokamax's int4
+`gmm_v2` (by `cpu_gmm.gmm`), the device mesh (built from the CPU device),
+the device-memory size, the TPU-only compiler options and the aliasing of
+host buffers by `device_put` (see `enable`). `load` builds the model through tpu-inference's
 own `get_model`; `PagedRunner` drives it as the TPU runner does (paged cache,
 shared layers on their source layer's cache). For tests and the demo;
 `install_attention()` refuses to run when JAX sees a TPU.
@@ -110,6 +112,8 @@ def enable() -> None:
     compiler_options.get_step_fn_compiler_options = dict
     compiler_options.get_sampling_compiler_options = dict
     install_attention()
+    from vllm_gemma_qat import cpu_gmm
+    cpu_gmm.install()  # int4 (wNa16) matmul: tokamax gmm_v2 is TPU-only
     from tpu_inference import utils
     from tpu_inference.runner import tpu_runner
     tpu_runner.make_optimized_mesh = cpu_mesh
@@ -131,8 +135,9 @@ def enable() -> None:
                 setattr(module, name, dict)
     logger.warning(
         "vllm-gemma-qat CPU mode (%s=1): tpu-inference runs on JAX's CPU "
-        "backend with a pure-JAX paged attention, a CPU device mesh and no "
-        "TPU compiler options. For tests and demos only.", CPU_MODE_ENV)
+        "backend with a pure-JAX paged attention and int4 matmul, a CPU "
+        "device mesh and no TPU compiler options. For tests and demos only.",
+        CPU_MODE_ENV)
 
 
 def _copying(device_put):

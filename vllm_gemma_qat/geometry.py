@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from vllm_gemma_qat import quantization
 from vllm_gemma_qat.checkpoint import Checkpoint, CheckpointError, TensorInfo
+from vllm_gemma_qat.quantization import GROUP_SIZE, PACKED_SUFFIXES
 
 GEMMA4_ARCHITECTURES = ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM")
 SHARED_KV_PARAMS = ("self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm")
-# Linear layers whose weight may come as compressed-tensors int4
-# (`weight_packed` / `weight_scale` / `weight_shape`) instead of `weight`.
-LINEAR_SUFFIXES = ("_proj", "per_layer_input_gate", "per_layer_projection")
-PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
+# 2-D weights that are not Linear layers (compressed-tensors never packs them).
+EMBEDDINGS = ("embed_tokens.weight", "embed_tokens_per_layer.weight")
 _LAYER_RE = re.compile(r"^(model\.(?:language_model\.)?)layers\.(\d+)\.(.+)$")
 
 
@@ -187,6 +187,13 @@ class Geometry:
                 out[f"{prefix}layers.{i}.{k}"] = s
         return out
 
+    def linear_modules(self, prefix: str) -> list[str]:
+        """The language model's Linear layers (module names): the ones a
+        compressed-tensors config with target "Linear" may pack as int4."""
+        return [n.removesuffix(".weight")
+                for n, shape in self.expected(prefix).items()
+                if len(shape) == 2 and not n.endswith(EMBEDDINGS)]
+
     def skippable(self, prefix: str) -> dict[str, tuple[int, ...]]:
         return {f"{prefix}layers.{i}.{k}": s
                 for i in self.kv_share_map
@@ -222,15 +229,6 @@ def is_language_model_tensor(name: str, prefix: str) -> bool:
                                 "embed_vision.", "embed_audio."))
 
 
-def _linear_base(name: str) -> str | None:
-    for suffix in PACKED_SUFFIXES:
-        if name.endswith("." + suffix):
-            base = name[:-len(suffix) - 1]
-            if base.rsplit(".", 1)[-1].endswith(LINEAR_SUFFIXES):
-                return base
-    return None
-
-
 @dataclass
 class Report:
     """How a checkpoint's language-model tensors compare with what gemma_qat
@@ -246,11 +244,15 @@ class Report:
     skipped: list[str]
     lm_tensors: int
     shared_kv_inferred: int | None
+    # Linear modules the checkpoint holds pack-quantized (int4).
+    quantized: list[str]
+    # Disagreements between those and config.json's quantization_config.
+    inconsistent: list[str]
 
     @property
     def loads_with_gemma_qat(self) -> bool:
         return not (self.missing or self.unexpected or self.wrong_shape
-                    or self.shared_kv_mismatch)
+                    or self.shared_kv_mismatch or self.inconsistent)
 
     @property
     def shared_kv_mismatch(self) -> bool:
@@ -279,6 +281,7 @@ class Report:
         out += [f"tensor {n} has shape {list(got)}, expected {list(want)}"
                 for n, got, want in self.wrong_shape]
         out += [f"unexpected tensor {n}" for n in self.unexpected]
+        out += self.inconsistent
         return out
 
     def raise_if_invalid(self, path) -> None:
@@ -308,9 +311,10 @@ def check(ckpt: Checkpoint) -> Report:
     geo = Geometry.from_text_config(text_config_of(ckpt.config))
     prefix = language_model_prefix(ckpt.tensors)
     expected = geo.expected(prefix)
-    quantized = any(_linear_base(n) for n in ckpt.tensors)
+    linears = set(geo.linear_modules(prefix))
 
-    missing, unexpected, wrong, skipped = [], [], [], []
+    unexpected, wrong, skipped = [], [], []
+    packed: dict[str, set[str]] = {}  # module -> packed suffixes present
     lm_tensors = 0
     seen = set()
     for name, info in ckpt.tensors.items():
@@ -320,39 +324,77 @@ def check(ckpt: Checkpoint) -> Report:
         if name == "lm_head.weight" or name == f"{prefix}lm_head.weight":
             # Tied to embed_tokens in every Gemma 4 export; tolerated either way.
             continue
-        base = _linear_base(name)
-        key = base + ".weight" if base else name
         if is_shared_kv_tensor(name, geo.kv_share_map):
             skipped.append(name)
             continue
-        if key not in expected:
+        module, _, suffix = name.rpartition(".")
+        if suffix in PACKED_SUFFIXES and module in linears:
+            packed.setdefault(module, set()).add(suffix)
+            want = _packed_shape(suffix, expected[module + ".weight"])
+            if info.shape != want:
+                wrong.append((name, info.shape, want))
+            continue
+        if name not in expected:
             unexpected.append(name)
             continue
-        seen.add(key)
-        want = expected[key]
-        if base is None and info.shape != want:
-            wrong.append((name, info.shape, want))
-        elif name.endswith(".weight_shape") and info.shape != (2, ):
-            wrong.append((name, info.shape, (2, )))
-        elif name.endswith(".weight_packed") and info.shape != (want[0],
-                                                                 want[1] // 8):
-            wrong.append((name, info.shape, (want[0], want[1] // 8)))
-        elif name.endswith(".weight_scale") and info.shape[0] != want[0]:
-            wrong.append((name, info.shape, (want[0], want[1] // 32)))
-    missing = [n for n in expected if n not in seen]
-    if quantized:
-        for base in {b for n in ckpt.tensors if (b := _linear_base(n))}:
-            for suffix in PACKED_SUFFIXES:
-                if f"{base}.{suffix}" not in ckpt.tensors:
-                    missing.append(f"{base}.{suffix}")
+        seen.add(name)
+        if info.shape != expected[name]:
+            wrong.append((name, info.shape, expected[name]))
+    missing = [n for n in expected
+               if n not in seen and n.removesuffix(".weight") not in packed]
+    for module, suffixes in packed.items():
+        missing += [f"{module}.{s}" for s in PACKED_SUFFIXES if s not in suffixes]
+        if module + ".weight" in seen:
+            unexpected.append(f"{module}.weight (the module is also "
+                              f"pack-quantized)")
 
-    if quantized:
-        kind = "qat-w4a16-ct"
-    elif skipped:
-        kind = "regular-bf16"
-    else:
-        kind = "qat-bf16"
+    quantized = sorted(packed)
+    inconsistent = _quantization_mismatches(ckpt.config, linears, set(packed))
+    kind = ("qat-w4a16-ct" if quantized else
+            "regular-bf16" if skipped else "qat-bf16")
     inferred = _infer_shared_kv(ckpt.tensors, prefix, geo.num_layers)
     return Report(arch, geo, prefix, kind, expected, sorted(missing),
                   sorted(unexpected), wrong, sorted(skipped), lm_tensors,
-                  inferred)
+                  inferred, quantized, inconsistent)
+
+
+def _packed_shape(suffix: str, weight_shape: tuple[int, int]) -> tuple:
+    out_features, in_features = weight_shape
+    return {"weight_packed": (out_features, in_features // 8),
+            "weight_scale": (out_features, in_features // GROUP_SIZE),
+            "weight_shape": (2, )}[suffix]
+
+
+def _quantization_mismatches(config: dict, linears: set[str],
+                             packed: set[str]) -> list[str]:
+    """Where the tensors and config.json's quantization_config disagree on
+    which linears are int4, or where tpu-inference could not serve the mix."""
+    out = []
+    qc = config.get("quantization_config")
+    if packed and not quantization.is_compressed_tensors(qc):
+        out.append(f"{len(packed)} linears are pack-quantized (first: "
+                   f"{min(packed)}), but config.json has no compressed-tensors "
+                   "quantization_config")
+    elif quantization.is_compressed_tensors(qc):
+        for module in sorted(linears):
+            wanted = quantization.quantizes(qc, module)
+            if wanted and module not in packed:
+                out.append(f"quantization_config quantizes {module}, but the "
+                           f"checkpoint holds it as bf16 {module}.weight")
+            elif module in packed and not wanted:
+                out.append(f"{module} is pack-quantized in the checkpoint, but "
+                           "quantization_config does not quantize it (targets "
+                           f"{quantization.targets(qc)}, ignore "
+                           f"{qc.get('ignore') or []})")
+    out += gate_up_mismatches(linears, packed)
+    return out
+
+
+def gate_up_mismatches(linears, int4_modules: set[str]) -> list[str]:
+    """tpu-inference fuses mlp.gate_proj and mlp.up_proj into one linear
+    (quantized or not as a unit): both must be int4, or neither."""
+    return [f"{gate} and {gate[:-len('gate_proj')]}up_proj must be both int4 "
+            "or both bf16 (tpu-inference fuses them into one linear)"
+            for gate in sorted(linears) if gate.endswith(".mlp.gate_proj")
+            and (gate in int4_modules) != (
+                gate[:-len("gate_proj")] + "up_proj" in int4_modules)]

@@ -15,14 +15,15 @@ re-gridded silently.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 
 import ml_dtypes
 import numpy as np
 
-from vllm_gemma_qat.geometry import LINEAR_SUFFIXES
+from vllm_gemma_qat.quantization import GROUP_SIZE
 
-GROUP_SIZE = 32
 BF16 = ml_dtypes.bfloat16
 _LEVELS = (8, 7, 6, 5, 4, 3, 2, 1)  # finest grid first
 _CHUNK_GROUPS = (4096, 65536)
@@ -39,25 +40,29 @@ def _to_bf16(x: np.ndarray) -> np.ndarray:
 def recover_grid(weight: np.ndarray, name: str = "tensor",
                  group_size: int = GROUP_SIZE) -> tuple[np.ndarray, np.ndarray]:
     """(q int8 [out, in], d bf16 [out, in // group_size]) for a bf16 `weight`
-    [out, in] on the q4_0 grid. Per group, the first that holds of: q * d ==
-    weight exactly; bf16(q * d) == weight; |q * d - weight| <= 1 bf16 ulp
-    for every value. Raises OffGridError otherwise."""
+    [out, in] on the q4_0 grid. Raises OffGridError otherwise.
+
+    Fast path, one fused pass: d from the group's signed peak on level -8
+    (d = -peak / 8, so d < 0 for a positive peak, as GGML's q4_0 writes it)
+    or from its smallest |value| on level +-1, if bf16(q * d) == weight for
+    every value. The other groups get the full search: per group, the first
+    that holds of q * d == weight exactly; bf16(q * d) == weight;
+    |q * d - weight| <= 1 bf16 ulp for every value."""
     if weight.dtype != BF16:
         raise OffGridError(f"{name}: expected bf16, got {weight.dtype}")
     out_features, in_features = weight.shape
     if in_features % group_size:
         raise OffGridError(f"{name}: input dim {in_features} is not a multiple "
                            f"of the group size {group_size}")
-    w = weight.astype(np.float32).reshape(-1, group_size)
-    # Fixed chunk shapes (zero-padded): two compilations serve every tensor.
-    chunk = _CHUNK_GROUPS[0] if len(w) <= _CHUNK_GROUPS[0] else _CHUNK_GROUPS[1]
-    recover = _compiled_recover(chunk, group_size)
-    parts = []
-    for start in range(0, len(w), chunk):
-        part = w[start:start + chunk]
-        padded = np.pad(part, ((0, chunk - len(part)), (0, 0)))
-        parts.append([np.asarray(a)[:len(part)] for a in recover(padded)])
-    q, d, ok = (np.concatenate(a) for a in zip(*parts))
+    groups = weight.reshape(-1, group_size)
+    q, d, ok = _chunked("peak", groups)
+    for kind in ("smallest", "search"):
+        retry = np.flatnonzero(~ok)
+        if not retry.size:
+            break
+        subset = groups[retry]
+        q[retry], d[retry], ok[retry] = _chunked(
+            kind, subset.astype(np.float32) if kind == "search" else subset)
     if not ok.all():
         bad = np.flatnonzero(~ok)
         row, group = divmod(int(bad[0]), in_features // group_size)
@@ -69,16 +74,80 @@ def recover_grid(weight: np.ndarray, name: str = "tensor",
             d.astype(BF16).reshape(out_features, in_features // group_size))
 
 
+def _chunked(kind: str, groups: np.ndarray):
+    """Run the compiled `kind` over `groups` in fixed-shape chunks (the last
+    zero-padded): two compilations per kind serve every tensor."""
+    chunk = _CHUNK_GROUPS[0] if len(groups) <= _CHUNK_GROUPS[0] else \
+        _CHUNK_GROUPS[1]
+    fn = _compiled(kind, chunk, groups.shape[1], groups.dtype)
+
+    def run(start):
+        part = groups[start:start + chunk]
+        if len(part) < chunk:
+            part = np.pad(part, ((0, chunk - len(part)), (0, 0)))
+        n = min(chunk, len(groups) - start)
+        return [np.asarray(a)[:n] for a in fn(part)]
+
+    # The compiled call releases the GIL: one chunk per core at a time.
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        parts = list(pool.map(run, range(0, len(groups), chunk)))
+    return [np.concatenate(a) for a in zip(*parts)]
+
+
 @functools.cache
-def _compiled_recover(groups: int, group_size: int):
-    """The search below, compiled once per chunk shape for the host CPU.
-    Ahead-of-time compiled, so the mesh / device contexts the model loader
-    runs under neither retrigger compilation nor move the work."""
+def _compiled(kind: str, groups: int, group_size: int, dtype: np.dtype):
+    """`kind` compiled once per chunk shape for the host CPU. Ahead-of-time
+    compiled, so the mesh / device contexts the model loader runs under
+    neither retrigger compilation nor move the work."""
     import jax
+    fn = _recover_fn() if kind == "search" else _level_fn(kind)
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
-        return _recover_fn().lower(
-            jax.ShapeDtypeStruct((groups, group_size), np.float32)).compile()
+        return fn.lower(jax.ShapeDtypeStruct((groups, group_size),
+                                             dtype)).compile()
+
+
+def _level_fn(kind: str):
+    """One fused pass trying each group's d on a fixed level: "peak" puts
+    the signed peak on level -8 (exact: / 8 is a power of two), "smallest"
+    the smallest nonzero |value| on level +1 or -1."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def on_level(w):
+        x = w.astype(jnp.float32)
+        if kind == "peak":
+            hi, lo = x.max(-1, keepdims=True), x.min(-1, keepdims=True)
+            candidates = (jnp.where(-lo >= hi, -lo, -hi) / 8, )
+        else:
+            m = jnp.where(x == 0, jnp.inf, jnp.abs(x)).min(-1, keepdims=True)
+            m = jnp.where(jnp.isinf(m), 0.0, m)
+            candidates = (m, -m)
+        q = d = ok = None
+        for cand in candidates:
+            # rint absorbs the reciprocal's rounding; the test below is exact.
+            qc = jnp.rint(x * jnp.where(cand == 0, 0.0, 1 / cand))
+            good = ((qc >= -8) & (qc <= 7) &
+                    (_round_bf16(qc * cand) == x)).all(-1, keepdims=True)
+            if q is None:
+                q, d, ok = qc, cand, good
+            else:
+                take = good & ~ok
+                q, d, ok = (jnp.where(take, qc, q), jnp.where(take, cand, d),
+                            ok | good)
+        return q.astype(jnp.int8), d[:, 0], ok[:, 0]
+
+    return on_level
+
+
+def _round_bf16(x):
+    """Nearest bf16 (ties to even), kept in fp32."""
+    import jax
+    import jax.numpy as jnp
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    u = (u + (0x7FFF + ((u >> 16) & 1))) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(u, jnp.float32)
 
 
 def _recover_fn():
@@ -93,9 +162,7 @@ def _recover_fn():
     def as_f32(x):
         return jax.lax.bitcast_convert_type(x, jnp.float32)
 
-    def round_bf16(x):  # nearest bf16 (ties to even), kept in fp32
-        u = as_u32(x)
-        return as_f32((u + (0x7FFF + ((u >> 16) & 1))) & jnp.uint32(0xFFFF0000))
+    round_bf16 = _round_bf16
 
     def bf16_ulp(x):  # bf16 spacing at |x|; 0 at 0
         exponent = (as_u32(x) >> 23) & 0xFF
@@ -148,14 +215,15 @@ def dequantize(q: np.ndarray, d: np.ndarray,
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
     """int8 [out, in] in [-8, 7] -> int32 [out, in / 8]: nibble i of word j is
-    column 8j + i, stored as q + 8. Integer arithmetic throughout."""
+    column 8j + i, stored as q + 8. Integer arithmetic throughout: columns
+    2k, 2k + 1 fill byte k's low and high nibble; four bytes read as a
+    little-endian word put nibble i at bits 4i."""
     out_features, in_features = q.shape
     if in_features % 8:
         raise ValueError(f"input dim {in_features} is not a multiple of 8")
-    nibbles = (q.astype(np.int32) + 8).astype(np.uint32).reshape(
-        out_features, -1, 8)
-    shifts = np.arange(8, dtype=np.uint32) * 4
-    return (nibbles << shifts).sum(axis=-1, dtype=np.uint32).view(np.int32)
+    nibbles = q.view(np.uint8) + np.uint8(8)  # two's complement + 8 = q + 8
+    packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << np.uint8(4))
+    return np.ascontiguousarray(packed).view("<u4").view(np.int32)
 
 
 def unpack_int4(packed: np.ndarray, in_features: int) -> np.ndarray:
@@ -165,59 +233,15 @@ def unpack_int4(packed: np.ndarray, in_features: int) -> np.ndarray:
     return nibbles.reshape(packed.shape[0], -1)[:, :in_features]
 
 
-# The linear layers the w4a16 export quantizes: attention and MLP projections
-# and the per-layer-input gate/projection of every decoder layer. Embeddings,
-# norms, per_layer_model_projection and the towers stay bf16.
-W4A16_TARGET = (r"re:.*language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
-                r"mlp\.(gate|up|down)_proj|per_layer_input_gate|"
-                r"per_layer_projection)$")
-
-
-def w4a16_quantization_config(group_size: int = GROUP_SIZE) -> dict:
-    """compressed-tensors `quantization_config` (pack-quantized, symmetric
-    int4, group 32) selecting tpu-inference's wNa16 linear method."""
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": [W4A16_TARGET],
-                "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                            "strategy": "group", "group_size": group_size,
-                            "dynamic": False, "actorder": None,
-                            "observer": "minmax"},
-                "input_activations": None,
-                "output_activations": None,
-                "format": "pack-quantized",
-            }
-        },
-        "ignore": [],
-        "kv_cache_scheme": None,
-    }
-
-
-def quantized_modules(quantization_config: dict, names) -> set[str]:
-    """Module names among `names` (checkpoint tensor names ending in
-    `.weight`) that `quantization_config` quantizes, matched the way vLLM's
-    compressed-tensors config matches layers ("Linear" = any linear layer)."""
-    from vllm.model_executor.layers.quantization.compressed_tensors.utils import \
-        should_ignore_layer
-    from vllm.model_executor.layers.quantization.utils.config_utils import \
-        is_equal_or_regex_match
-    targets = [t for group in quantization_config.get("config_groups", {})
-               .values() if isinstance(group, dict)
-               for t in group.get("targets", [])]
-    ignore = quantization_config.get("ignore") or []
-    out = set()
-    for name in names:
-        module = name.removesuffix(".weight")
-        if module == name or not module.rsplit(".", 1)[-1].endswith(
-                LINEAR_SUFFIXES):
-            continue
-        if should_ignore_layer(module, ignore=ignore):
-            continue
-        if any(t == "Linear" or is_equal_or_regex_match(module, t)
-               for t in targets):
-            out.add(module)
+def off_grid_modules(ckpt, modules) -> dict[str, str]:
+    """{module: why} for each of `modules` (bf16 linears of `ckpt`) whose
+    weight is not on the q4_0 grid; reads each weight once."""
+    from vllm_gemma_qat.checkpoint import read_bf16
+    out = {}
+    for module in modules:
+        name = module + ".weight"
+        try:
+            recover_grid(read_bf16(ckpt, name), name)
+        except (OffGridError, ValueError) as e:
+            out[module] = str(e)
     return out

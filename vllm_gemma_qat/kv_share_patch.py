@@ -10,6 +10,13 @@ K/V operand its signature requires (ignored, as the layer passes
 
 Other load formats and models are untouched. When tpu-inference already
 builds no K/V for shared layers (the upstream fix), nothing is changed.
+
+Also under gemma_qat only: tpu-inference 0.32's compressed-tensors config
+gives an ignored fused gate_up_proj the plain `UnquantizedLinearMethod`,
+which cannot load the separate gate_proj / up_proj tensors (`Shape mismatch
+... gate_up_proj.weight`); such a layer gets the merged method that
+tpu-inference's own unquantized config picks. That is what keeps an
+off-grid MLP bf16 inside an otherwise int4 q4_0 model.
 """
 from __future__ import annotations
 
@@ -64,6 +71,8 @@ def apply(gemma4) -> None:
     gemma4._vllm_gemma_qat_patched = True
     _wrap_model_init(gemma4.Gemma4Model)
     _wrap_attention_init(gemma4.Gemma4Attention, gemma4)
+    from tpu_inference.layers.jax.quantization import compressed_tensors
+    _wrap_ct_quant_method(compressed_tensors.CompressedTensorsConfig)
 
 
 def _wrap_model_init(cls) -> None:
@@ -118,3 +127,21 @@ def _no_kv_projection_class(module_base):
                              x.dtype)
 
     return NoKVProjection
+
+
+def _wrap_ct_quant_method(cls) -> None:
+    from tpu_inference.layers.jax.linear import JaxMergedColumnParallelLinear
+    from tpu_inference.layers.jax.quantization.unquantized import (
+        UnquantizedConfig, UnquantizedLinearMethod)
+    get_quant_method = cls.get_quant_method
+
+    @functools.wraps(get_quant_method)
+    def wrapped(self, layer, prefix):
+        method = get_quant_method(self, layer, prefix)
+        if (_building_for_gemma_qat.get()
+                and type(method) is UnquantizedLinearMethod
+                and isinstance(layer, JaxMergedColumnParallelLinear)):
+            return UnquantizedConfig({}).get_quant_method(layer, prefix)
+        return method
+
+    cls.get_quant_method = wrapped

@@ -10,7 +10,7 @@ from __future__ import annotations
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from vllm_gemma_qat import checkpoint, geometry, int4, weights
+from vllm_gemma_qat import checkpoint, geometry, quantization, weights
 
 # Under the "vllm" logger so the lines show in vLLM's own log output.
 logger = init_logger(f"vllm.{__name__}")
@@ -50,11 +50,14 @@ def _int4_from_bf16(model_config, report) -> set[str]:
     compressed-tensors int4 (e.g. via --hf-overrides) but the checkpoint holds
     them as bf16 (the -qat-q4_0-unquantized export)."""
     quant = getattr(model_config.hf_config, "quantization_config", None)
-    if not quant or report.export_kind == "qat-w4a16-ct":
-        return set()
-    if not isinstance(quant, dict):
+    if quant is not None and not isinstance(quant, dict):
         quant = quant.to_dict()
-    if quant.get("quant_method") != "compressed-tensors":
+    if report.quantized or not quantization.is_compressed_tensors(quant):
         return set()
-    return int4.quantized_modules(quant, report.expected)
-
+    linears = report.geometry.linear_modules(report.prefix)
+    chosen = {m for m in linears if quantization.quantizes(quant, m)}
+    mixed = geometry.gate_up_mismatches(linears, chosen)
+    if mixed:
+        raise checkpoint.CheckpointError("--hf-overrides quantization_config: "
+                                         + "; ".join(mixed[:3]))
+    return chosen

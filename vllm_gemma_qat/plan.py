@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from vllm_gemma_qat.geometry import LINEAR_SUFFIXES, Geometry
+from vllm_gemma_qat.geometry import Geometry
 
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1, "int8": 1}
 GIB = 1024**3
@@ -29,13 +29,11 @@ def kv_bytes_per_layer_token(geo: Geometry, layer: int, kv_dtype: str) -> int:
 
 
 def linear_params(geo: Geometry) -> int:
-    """Parameters of the linear layers the w4a16 export quantizes."""
-    total = 0
-    for i in range(geo.num_layers):
-        for name, shape in geo.layer_tensors(i).items():
-            if name.removesuffix(".weight").endswith(LINEAR_SUFFIXES):
-                total += shape[0] * shape[1]
-    return total
+    """Parameters of the language model's Linear layers (what the w4a16
+    export quantizes)."""
+    shapes = geo.expected("")
+    return sum(shapes[m + ".weight"][0] * shapes[m + ".weight"][1]
+               for m in geo.linear_modules(""))
 
 
 def weight_bytes(geo: Geometry, bf16_bytes: int, weights: str) -> int:

@@ -8,7 +8,8 @@ import json
 import struct
 from pathlib import Path
 
-from vllm_gemma_qat.geometry import LINEAR_SUFFIXES, Geometry
+from vllm_gemma_qat import quantization
+from vllm_gemma_qat.geometry import Geometry
 
 _DTYPE_BYTES = {"BF16": 2, "I32": 4, "I64": 8, "F32": 4}
 
@@ -64,12 +65,11 @@ def checkpoint_tensors(name: str, layout: str) -> dict[str, tuple[str, tuple]]:
     shapes.update({k: v for k, v in _TOWER_TENSORS.items()
                    if "embed_vision" not in k or config["text_config"][
                        "hidden_size"] == v[0]})
+    linears = set(geo.linear_modules(prefix)) if layout == "w4a16" else set()
     out = {}
     for tensor, shape in shapes.items():
         base = tensor.removesuffix(".weight")
-        quantize = (layout == "w4a16" and tensor.startswith(prefix + "layers.")
-                    and base.rsplit(".", 1)[-1].endswith(LINEAR_SUFFIXES))
-        if quantize:
+        if base in linears:
             out[base + ".weight_packed"] = ("I32", (shape[0], shape[1] // 8))
             out[base + ".weight_scale"] = ("BF16", (shape[0], shape[1] // 32))
             out[base + ".weight_shape"] = ("I64", (2, ))
@@ -86,11 +86,8 @@ def write_header_only(path: str | Path, name: str = "e2b", layout: str = "qat",
     path.mkdir(parents=True, exist_ok=True)
     config = json.loads(json.dumps(CONFIGS[name]))
     if layout == "w4a16":
-        config["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "pack-quantized",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                "num_bits": 4, "type": "int", "symmetric": True,
-                "strategy": "group", "group_size": 32}}}}
+        config["quantization_config"] = \
+            quantization.w4a16_quantization_config()
     (path / "config.json").write_text(json.dumps(config, indent=1))
     tensors = sorted((k, v) for k, v in checkpoint_tensors(name, layout).items()
                      if k not in exclude)

@@ -159,22 +159,17 @@ def _shared_layer_kv_dims(text: dict) -> dict[int, tuple[int, int]]:
 
 # --- int4 forms -------------------------------------------------------------
 
-W4A16_IGNORE = ["re:.*vision_tower.*", "re:.*embed_vision.*",
-                "re:.*audio.*", "re:.*per_layer_model_projection.*"]
-
-
 def put_on_int4_grid(model, seed: int = 0) -> dict[str, tuple]:
-    """Round every parameter to bf16 and put the linears the w4a16 export
-    quantizes on the q4_0 grid (w = d * q, q in [-8, 7], groups of 32 input
-    columns, bf16 d), a quarter of the groups peaking below level 8.
+    """Round every parameter to bf16 and put every language-model Linear on
+    the q4_0 grid (w = d * q, q in [-8, 7], groups of 32 input columns, bf16
+    d): a quarter of the groups peak below level 8, an eighth have d < 0
+    with a positive peak on level -8 (as GGML's q4_0 writes them).
     Returns {checkpoint module name: (q, d)} as numpy arrays."""
-    import re
-
     import numpy as np
     import torch
 
-    from vllm_gemma_qat import int4
-    pattern = re.compile(int4.W4A16_TARGET[3:])
+    from vllm_gemma_qat import int4, quantization
+    config = quantization.w4a16_quantization_config()
     rng = np.random.default_rng(seed)
     grid = {}
     with torch.no_grad():
@@ -183,21 +178,23 @@ def put_on_int4_grid(model, seed: int = 0) -> dict[str, tuple]:
         for name, module in model.named_modules():
             ckpt_name = _checkpoint_module_name(model, name)
             if not (isinstance(module, torch.nn.Linear)
-                    and pattern.match(ckpt_name)):
+                    and quantization.quantizes(config, ckpt_name)):
                 continue
             out_f, in_f = module.weight.shape
             q = rng.integers(-8, 8, size=(out_f, in_f)).astype(np.int8)
-            # A quarter of the groups never reach level 8 (peak at 3..7).
             groups = q.reshape(out_f, -1, int4.GROUP_SIZE)
-            low = rng.random(groups.shape[:2]) < 0.25
-            cap = rng.integers(3, 8, size=groups.shape[:2])[..., None]
+            shape = groups.shape[:2]
+            low = rng.random(shape) < 0.25
+            cap = rng.integers(3, 8, size=shape)[..., None]
             groups[:] = np.where(low[..., None], np.clip(groups, -cap, cap),
                                  groups)
-            # d = k * 2^-11 with k in [8, 15]: q * d then has at most 7
+            negative = ~low & (rng.random(shape) < 0.125)
+            groups[negative, 0] = -8
+            # |d| = k * 2^-11 with k in [8, 15]: q * d then has at most 7
             # significant bits, so the bf16 export, the int4 dequantization
             # and the fp32 reference all hold exactly the same weights.
-            d = (rng.integers(8, 16, size=groups.shape[:2]) *
-                 2.0**-11).astype(np.float32).astype(int4.BF16)
+            d = (rng.integers(8, 16, size=shape) * 2.0**-11 *
+                 np.where(negative, -1, 1)).astype(np.float32).astype(int4.BF16)
             module.weight.copy_(torch.from_numpy(
                 int4.dequantize(q, d).astype(np.float32)))
             grid[ckpt_name] = (q, d)
@@ -213,13 +210,14 @@ def _checkpoint_module_name(model, name: str) -> str:
 
 
 def save_int4_checkpoint(model, path: str | Path, grid: dict, form: str,
-                         dtype=None) -> Path:
+                         dtype=None, ignore=()) -> Path:
     """An int4 QAT export of `model` (after `put_on_int4_grid`):
 
     - "q4_0": the `-qat-q4_0-unquantized` form, grid linears as bf16 values;
-    - "w4a16": the `-qat-w4a16-ct` form, grid linears compressed-tensors
-      pack-quantized (written by compressed-tensors' own compressor) plus its
-      `quantization_config`.
+    - "w4a16": the `-qat-w4a16-ct` form: written by compressed-tensors' own
+      compressor and config, targets ["Linear"], the published recipe's
+      ignore list plus `ignore`; the linears that config quantizes are
+      pack-quantized, the others stay bf16.
 
     Other tensors are saved in `dtype` (the real exports: bf16; None keeps
     fp32, which lets tests compare logits tightly).
@@ -232,18 +230,21 @@ def save_int4_checkpoint(model, path: str | Path, grid: dict, form: str,
                                                  QuantizationScheme)
     from safetensors.torch import load_file, save_file
 
-    from vllm_gemma_qat import int4
+    from vllm_gemma_qat import quantization
     if form not in ("q4_0", "w4a16"):
         raise ValueError(f"unknown int4 form {form!r}")
     path = save_checkpoint(model, path, layout="qat", dtype=dtype)
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=True,
-                               strategy="group", group_size=int4.GROUP_SIZE)
+                               strategy="group",
+                               group_size=quantization.GROUP_SIZE)
     scheme = QuantizationScheme(targets=["Linear"], weights=weights)
     shard = path / "model.safetensors"
     tensors = load_file(shard)
+    quantized = quantization.w4a16_quantization_config(ignore)
+    ignore = quantized["ignore"]
     for module, (q, d) in grid.items():
         weight = tensors.pop(module + ".weight").to(torch.bfloat16)
-        if form == "q4_0":
+        if form == "q4_0" or not quantization.quantizes(quantized, module):
             tensors[module + ".weight"] = weight
             continue
         scale = torch.from_numpy(d.astype("float32")).to(torch.bfloat16)
@@ -256,7 +257,7 @@ def save_int4_checkpoint(model, path: str | Path, grid: dict, form: str,
         config = QuantizationConfig(config_groups={"group_0": scheme},
                                     format="pack-quantized",
                                     quantization_status="compressed",
-                                    ignore=W4A16_IGNORE)
+                                    ignore=ignore)
         file = path / "config.json"
         data = json.loads(file.read_text())
         data["quantization_config"] = config.model_dump(mode="json")

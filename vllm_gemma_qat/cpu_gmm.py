@@ -1,5 +1,5 @@
 """Pure-JAX stand-in for tokamax's TPU-only `gmm_v2` kernel, as
-tpu-inference's wNa16 path calls it, for CPU tests.
+tpu-inference's wNa16 path calls it (CPU mode: int4 serving without a TPU).
 
 Semantics (those of tokamax's own `reference_gmm`, which the tests check this
 against): rows of `lhs` are split into consecutive groups by `group_sizes`;
@@ -38,12 +38,18 @@ def gmm(lhs, rhs, group_sizes, rhs_scale=None, rhs_bias=None,
     return out.astype(preferred_element_type or lhs.dtype)
 
 
-@contextlib.contextmanager
-def installed():
+def install() -> None:
     """Route tpu-inference's quantized matmul through `gmm`."""
     from tpu_inference.layers.common import linear
-    saved = linear.gmm_v2
     linear.gmm_v2 = gmm
+
+
+@contextlib.contextmanager
+def installed():
+    """`install()` for the duration of a block (tests)."""
+    from tpu_inference.layers.common import linear
+    saved = linear.gmm_v2
+    install()
     try:
         yield
     finally:
