@@ -27,3 +27,20 @@ def cpu_attention():
         yield
     finally:
         attention_interface.sharded_ragged_paged_attention = saved
+
+
+def hf_greedy(hf, prompt_ids, n):
+    import torch
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=n,
+                          do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def complete(server, model, prompt, n=8, **extra):
+    r = server.post("/v1/completions", {
+        "model": str(model), "prompt": prompt, "max_tokens": n,
+        "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+        **extra})
+    choice = r["choices"][0]
+    return choice["prompt_token_ids"], choice["token_ids"]

@@ -8,8 +8,7 @@ import time
 
 import jsonschema
 import pytest
-import torch
-
+from harness import complete, hf_greedy
 from vllm_gemma_qat import tiny
 from vllm_gemma_qat.cpu_server import CpuServer
 
@@ -23,22 +22,6 @@ def served(tmp_path_factory):
                    '{"backend": "xgrammar", "disable_any_whitespace": true}',
                    log=root / "server.log") as server:
         yield server, hf, root / "model"
-
-
-def hf_greedy(hf, prompt_ids, n):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=n,
-                          do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
-
-
-def complete(server, model, prompt, n=8, **extra):
-    r = server.post("/v1/completions", {
-        "model": str(model), "prompt": prompt, "max_tokens": n,
-        "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-        **extra})
-    choice = r["choices"][0]
-    return choice["prompt_token_ids"], choice["token_ids"]
 
 
 def test_plugin_reaches_every_process_through_its_entry_point(served):

@@ -5,11 +5,16 @@ Gemma 4 E2B-like QAT checkpoint (no shared-layer K/V: what tpu-inference
 send a chat request to the OpenAI endpoint, print the answer, check its
 tokens against transformers, stop the server.
 
-    python -m vllm_gemma_qat.demo [--dir DIR] [--max-tokens N]
+    python -m vllm_gemma_qat.demo [--dir DIR] [--max-tokens N] [--int4 FORM]
+
+`--int4 w4a16` serves a compressed-tensors pack-quantized int4 export,
+`--int4 q4_0` a bf16 q4_0-grid export made int4 exactly by
+`--hf-overrides "$(vllm-gemma-qat int4-overrides)"`.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -26,19 +31,31 @@ def main(argv=None) -> int:
     parser.add_argument("--dir", help="where to write the model and the "
                         "server log (default: a temporary directory)")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--int4", choices=["w4a16", "q4_0"],
+                        help="serve an int4 QAT export of the tiny model")
     args = parser.parse_args(argv)
 
     import torch
 
-    from vllm_gemma_qat import tiny
+    from vllm_gemma_qat import quantization, tiny
     from vllm_gemma_qat.cpu_server import CpuServer
     root = Path(args.dir or tempfile.mkdtemp(prefix="vllm-gemma-qat-demo-"))
-    model_dir = root / "gemma4-tiny-qat"
-    hf = tiny.save_servable(model_dir)
-    print(f"tiny Gemma 4 E2B-like QAT checkpoint + tokenizer: {model_dir}")
-    print(f"starting: vllm serve {model_dir} --load-format gemma_qat "
+    model_dir = root / f"gemma4-tiny-qat{'-' + args.int4 if args.int4 else ''}"
+    extra = []
+    if args.int4:
+        hf = tiny.save_servable_int4(model_dir, args.int4)
+        if args.int4 == "q4_0":
+            extra = ["--hf-overrides", json.dumps({"quantization_config":
+                     quantization.w4a16_quantization_config()})]
+    else:
+        hf = tiny.save_servable(model_dir)
+    kind = f"int4 {args.int4}" if args.int4 else "bf16"
+    print(f"tiny Gemma 4 E2B-like QAT checkpoint ({kind}) + tokenizer: "
+          f"{model_dir}")
+    print(f"starting: vllm serve {model_dir} --load-format gemma_qat"
+          f"{' --hf-overrides <w4a16>' if extra else ''} "
           f"(CPU mode; log: {root / 'server.log'})")
-    with CpuServer(model_dir, log=root / "server.log") as server:
+    with CpuServer(model_dir, *extra, log=root / "server.log") as server:
         messages = [{"role": "user", "content": "Hello! Who are you?"}]
         reply = server.post("/v1/chat/completions", {
             "model": str(model_dir), "messages": messages, "temperature": 0,
@@ -56,6 +73,10 @@ def main(argv=None) -> int:
     print(f"tokens:    {tokens}")
     print(f"reference: {ref} (transformers, same checkpoint)")
     same = tokens == ref
+    if args.int4:
+        log = (root / "server.log").read_text()
+        print(next(line.split("gemma_qat: ", 1)[1] for line in log.splitlines()
+                   if "gemma_qat: model weights by dtype" in line))
     print("greedy tokens match the reference" if same else "MISMATCH")
     return 0 if same else 1
 

@@ -65,22 +65,87 @@ class _PatchAfterImport:
         return spec
 
 
+# tpu-inference releases whose Gemma 4 has the structure this patch expects
+# (separate k_proj / v_proj / k_norm, KV sharing); see README's version table.
+SUPPORTED = "0.22.1, 0.23.0 and 0.28.0-0.32.0"
+
+
+class UnsupportedTpuInference(RuntimeError):
+    """The installed tpu-inference's Gemma 4 is not what gemma_qat patches."""
+
+
+def unsupported_structure(gemma4) -> str | None:
+    """Why the installed Gemma 4 cannot be patched, or None. Decided from the
+    code itself: the version number misleads (source installs say 0.0.0)."""
+    import inspect
+    for name in ("Gemma4Model", "Gemma4Attention", "JaxModule"):
+        if not hasattr(gemma4, name):
+            return f"gemma4.py has no {name}"
+    source = inspect.getsource(gemma4.Gemma4Attention)
+    if "qkv_proj" in source:
+        return "Gemma4Attention fuses Q/K/V into one qkv_proj"
+    if "is_kv_shared_layer" not in source:
+        return "Gemma4Attention has no KV sharing (is_kv_shared_layer)"
+    for attr in ("k_proj", "v_proj", "k_norm", "num_kv_heads", "head_dim"):
+        if f"self.{attr} =" not in source:
+            return f"Gemma4Attention no longer sets self.{attr}"
+    return None
+
+
+def tpu_inference_version() -> str:
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("tpu-inference")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def apply(gemma4) -> None:
     if getattr(gemma4, "_vllm_gemma_qat_patched", False):
         return
     gemma4._vllm_gemma_qat_patched = True
-    _wrap_model_init(gemma4.Gemma4Model)
-    _wrap_attention_init(gemma4.Gemma4Attention, gemma4)
-    from tpu_inference.layers.jax.quantization import compressed_tensors
-    _wrap_ct_quant_method(compressed_tensors.CompressedTensorsConfig)
+    reason = unsupported_structure(gemma4)
+    _wrap_model_init(gemma4.Gemma4Model, reason)
+    if reason is None:
+        _wrap_attention_init(gemma4.Gemma4Attention, gemma4)
+        _wrap_ct_quant_method()
 
 
-def _wrap_model_init(cls) -> None:
+def _wrap_ct_quant_method() -> None:
+    try:
+        from tpu_inference.layers.jax.linear import \
+            JaxMergedColumnParallelLinear
+        from tpu_inference.layers.jax.quantization.compressed_tensors import \
+            CompressedTensorsConfig as cls
+        from tpu_inference.layers.jax.quantization.unquantized import (
+            UnquantizedConfig, UnquantizedLinearMethod)
+    except ImportError:  # releases without the JAX compressed-tensors path
+        return
+    get_quant_method = cls.get_quant_method
+
+    @functools.wraps(get_quant_method)
+    def wrapped(self, layer, prefix):
+        method = get_quant_method(self, layer, prefix)
+        if (_building_for_gemma_qat.get()
+                and type(method) is UnquantizedLinearMethod
+                and isinstance(layer, JaxMergedColumnParallelLinear)):
+            return UnquantizedConfig({}).get_quant_method(layer, prefix)
+        return method
+
+    cls.get_quant_method = wrapped
+
+
+def _wrap_model_init(cls, unsupported: str | None) -> None:
     init = cls.__init__
 
     @functools.wraps(init)
     def __init__(self, vllm_config, *args, **kwargs):
         load_format = getattr(vllm_config.load_config, "load_format", None)
+        if load_format == LOAD_FORMAT and unsupported:
+            raise UnsupportedTpuInference(
+                f"--load-format {LOAD_FORMAT} does not support the installed "
+                f"tpu-inference {tpu_inference_version()}: {unsupported}. "
+                f"Supported: tpu-inference {SUPPORTED}")
         token = _building_for_gemma_qat.set(load_format == LOAD_FORMAT)
         try:
             init(self, vllm_config, *args, **kwargs)
@@ -127,21 +192,3 @@ def _no_kv_projection_class(module_base):
                              x.dtype)
 
     return NoKVProjection
-
-
-def _wrap_ct_quant_method(cls) -> None:
-    from tpu_inference.layers.jax.linear import JaxMergedColumnParallelLinear
-    from tpu_inference.layers.jax.quantization.unquantized import (
-        UnquantizedConfig, UnquantizedLinearMethod)
-    get_quant_method = cls.get_quant_method
-
-    @functools.wraps(get_quant_method)
-    def wrapped(self, layer, prefix):
-        method = get_quant_method(self, layer, prefix)
-        if (_building_for_gemma_qat.get()
-                and type(method) is UnquantizedLinearMethod
-                and isinstance(layer, JaxMergedColumnParallelLinear)):
-            return UnquantizedConfig({}).get_quant_method(layer, prefix)
-        return method
-
-    cls.get_quant_method = wrapped

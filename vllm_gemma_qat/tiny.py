@@ -313,3 +313,15 @@ def save_servable(path: str | Path, geometry: str = "e2b",
     save_checkpoint(model, path, layout="qat")
     save_tokenizer(path)
     return model
+
+
+def save_servable_int4(path: str | Path, form: str, geometry: str = "e2b",
+                       multimodal: bool = True, seed: int = 0):
+    """`save_servable` for an int4 QAT export ("w4a16" or "q4_0", see
+    `save_int4_checkpoint`). Returns the transformers model holding the
+    exact dequantized weights."""
+    model = build_model(geometry, multimodal, seed)
+    grid = put_on_int4_grid(model, seed)
+    save_int4_checkpoint(model, path, grid, form)
+    save_tokenizer(path)
+    return model
