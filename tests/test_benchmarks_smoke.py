@@ -16,7 +16,9 @@ def test_load_bench_smallest_scale(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "plugin / stock load time:" in out.stdout
     results = json.loads((tmp_path / "e2b-scale0.02" / "results.json").read_text())
-    assert set(results) == {"stock_regular", "plugin_qat", "plugin_int4"}
+    assert set(results) == {"stock_regular", "plugin_qat", "plugin_int4",
+                            "overrides"}
+    assert results["plugin_qat"]["peak_anon_bytes"] > 0
     # Exact int4 holds fewer parameter bytes than the bf16 load.
     assert (results["plugin_int4"]["param_bytes_by_dtype"].get("int4", 0) > 0)
     assert results["plugin_int4"]["param_bytes"] < results["plugin_qat"]["param_bytes"]

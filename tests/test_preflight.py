@@ -55,6 +55,15 @@ def test_inspect_w4a16_export_kind(tmp_path):
     path = synthetic.write_header_only(tmp_path / "c", "e2b", "w4a16")
     rc, s = inspect_json(path)
     assert rc == 0 and s["export_kind"] == "qat-w4a16-ct"
+    # Every language-model Linear is packed, per_layer_model_projection too:
+    # 7 per layer (q, o, gate, up, down, per-layer gate / projection), k and v
+    # on the 15 non-shared layers, and the model-level projection.
+    quantized = s["quantized_modules"]
+    assert len(quantized) == 35 * 7 + 15 * 2 + 1
+    assert "model.language_model.per_layer_model_projection" in quantized
+    assert not any("embed" in m or "tower" in m for m in quantized)
+    rc, out, _ = cli("inspect", path)
+    assert "int4 modules  276 (layers.*.mlp.down_proj x35" in out
     assert s["loads_with_gemma_qat"] and not s["loads_with_auto"]
     assert set(s["weight_bytes_by_dtype"]) == {"BF16", "I32", "I64"}
 
