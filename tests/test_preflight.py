@@ -143,3 +143,40 @@ def test_inspect_agrees_with_transformers_checkpoints(tiny_models):
         assert rc == 0, s["errors"]
         assert s["skipped_shared_kv_tensors"] == skipped
         assert s["language_model_tensors"] == s["expected_tensors"] + skipped
+
+
+def test_config_only_directory(tmp_path):
+    # What `hf download REPO config.json` leaves: plan works from the
+    # config, inspect says what is missing and points to plan.
+    full = synthetic.write_header_only(tmp_path / "full", "e2b", "qat")
+    only = tmp_path / "only"
+    only.mkdir()
+    shutil.copy(full / "config.json", only / "config.json")
+    rc, out, err = cli("plan", only, "--json")
+    assert rc == 0, err
+    p = json.loads(out)
+    assert p["weights_from"] == "config (language model only)"
+    assert p["kv_bytes_per_token"] == 18 * 1024
+    rc, out, err = cli("inspect", only)
+    assert rc == 2 and out == ""
+    assert "config.json but no *.safetensors shards" in err
+    assert f"vllm-gemma-qat plan {only}" in err
+
+
+def test_structural_guard_on_gemma4_sources():
+    import importlib.util
+    from pathlib import Path
+
+    from vllm_gemma_qat.kv_share_patch import unsupported_structure_in_source
+    source = Path(importlib.util.find_spec("tpu_inference").origin).parent.joinpath(
+        "models/jax/gemma4.py").read_text()
+    assert unsupported_structure_in_source(source) is None
+    anchor = "class Gemma4Attention(JaxModule):\n"
+    fused = source.replace(anchor, anchor + "    qkv_proj = None\n", 1)
+    assert unsupported_structure_in_source(fused) == (
+        "Gemma4Attention fuses Q/K/V into one qkv_proj")
+    no_sharing = source.replace("compute_kv_share_map", "share_map")
+    assert "no KV sharing" in unsupported_structure_in_source(no_sharing)
+    renamed = source.replace("self.k_norm =", "self.key_norm =")
+    assert unsupported_structure_in_source(renamed) == (
+        "Gemma4Attention no longer sets self.k_norm")

@@ -20,8 +20,19 @@ from vllm_gemma_qat.checkpoint import CheckpointError
 
 def _open(target: str):
     path = checkpoint.resolve(target, allow_download=False)
+    if _config_only(path):
+        raise CheckpointError(
+            f"{path}: config.json but no *.safetensors shards (weights not "
+            "downloaded?); inspect reads the shards' headers. `vllm-gemma-qat "
+            f"plan {target}` works from config.json alone")
     ckpt = checkpoint.open_checkpoint(path)
     return ckpt, geometry.check(ckpt)
+
+
+def _config_only(path: Path) -> bool:
+    return ((path / "config.json").is_file()
+            and not (path / "model.safetensors.index.json").is_file()
+            and not any(path.glob("*.safetensors")))
 
 
 def _gb(n: int) -> str:
@@ -158,6 +169,10 @@ def _plan_inputs(target: str):
     """(Geometry, bf16 weight bytes as loaded, source) from a checkpoint
     (headers) or a bare config.json (language model from the geometry)."""
     p = Path(target)
+    if not p.is_file():
+        resolved = checkpoint.resolve(target, allow_download=False)
+        if _config_only(resolved):
+            p = resolved / "config.json"
     if p.is_file():
         config = checkpoint.read_config(p.parent) if p.name == "config.json" \
             else _load_json(p)

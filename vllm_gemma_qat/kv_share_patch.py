@@ -78,16 +78,26 @@ def unsupported_structure(gemma4) -> str | None:
     """Why the installed Gemma 4 cannot be patched, or None. Decided from the
     code itself: the version number misleads (source installs say 0.0.0)."""
     import inspect
-    for name in ("Gemma4Model", "Gemma4Attention", "JaxModule"):
-        if not hasattr(gemma4, name):
+    return unsupported_structure_in_source(inspect.getsource(gemma4))
+
+
+def unsupported_structure_in_source(source: str) -> str | None:
+    """`unsupported_structure` for the text of a tpu-inference gemma4.py."""
+    import ast
+    tree = ast.parse(source)
+    classes = {node.name: ast.get_source_segment(source, node)
+               for node in tree.body if isinstance(node, ast.ClassDef)}
+    for name in ("Gemma4Model", "Gemma4Attention"):
+        if name not in classes:
             return f"gemma4.py has no {name}"
-    source = inspect.getsource(gemma4.Gemma4Attention)
-    if "qkv_proj" in source:
+    attention = classes["Gemma4Attention"]
+    if "qkv_proj" in attention:
         return "Gemma4Attention fuses Q/K/V into one qkv_proj"
-    if "is_kv_shared_layer" not in source:
-        return "Gemma4Attention has no KV sharing (is_kv_shared_layer)"
+    if ("compute_kv_share_map" not in source
+            or "self.is_kv_shared_layer" not in attention):
+        return "its Gemma 4 has no KV sharing (no compute_kv_share_map)"
     for attr in ("k_proj", "v_proj", "k_norm", "num_kv_heads", "head_dim"):
-        if f"self.{attr} =" not in source:
+        if f"self.{attr} =" not in attention:
             return f"Gemma4Attention no longer sets self.{attr}"
     return None
 
