@@ -44,3 +44,26 @@ def complete(server, model, prompt, n=8, **extra):
         **extra})
     choice = r["choices"][0]
     return choice["prompt_token_ids"], choice["token_ids"]
+
+
+TOOL_CALL_SCHEMA = {
+    "type": "object",
+    "properties": {"tool": {"type": "string", "enum": ["search", "read"]},
+                   "arg": {"type": "integer"}},
+    "required": ["tool", "arg"], "additionalProperties": False}
+
+
+def guided_tool_call(server, model) -> dict:
+    """A chat request under json_schema guided decoding; its content,
+    validated against the schema."""
+    import json
+
+    import jsonschema
+    r = server.post("/v1/chat/completions", {
+        "model": str(model), "max_tokens": 64, "temperature": 0,
+        "messages": [{"role": "user", "content": "Call a tool."}],
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "call", "schema": TOOL_CALL_SCHEMA}}})
+    call = json.loads(r["choices"][0]["message"]["content"])
+    jsonschema.validate(call, TOOL_CALL_SCHEMA)
+    return call

@@ -18,9 +18,12 @@ def _shared_layers(model_interface):
 
 
 def _layer_params(model_interface, layer):
-    pattern = re.compile(rf"language_model\.layers\.{layer}\.self_attn\.(\w+)\.")
+    # The language model's layers (`language_model.layers.N` since
+    # tpu-inference 0.23, `model.layers.N` before), never the towers'.
+    pattern = re.compile(rf"(?:^|\.)layers\.{layer}\.self_attn\.(\w+)\.")
     return {m.group(1) for name, _ in model_interface.model.named_parameters()
-            if (m := pattern.search(name))}
+            if not name.startswith(("vision_tower.", "audio_tower."))
+            and (m := pattern.search(name))}
 
 
 @pytest.mark.parametrize("layout", ["qat", "regular"])

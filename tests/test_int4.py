@@ -242,29 +242,36 @@ def test_int4_loads_catch_a_wrong_nibble_order(plugin, int4_model,
     assert np.abs(got - harness.hf_logits(hf, prompt)).max() > 100 * LOGIT_ATOL
 
 
-def test_q4_0_off_grid_weight_is_named(plugin, int4_checkpoints, tmp_path):
+def _edited_copy(src, dst, edit):
+    """A copy of checkpoint `src` whose tensors went through `edit`."""
     from safetensors.torch import load_file, save_file
-    path = tmp_path / "q4"
-    shutil.copytree(int4_checkpoints["q4_0"], path)
-    shard = path / "model.safetensors"
+    shutil.copytree(src, dst)
+    shard = dst / "model.safetensors"
     tensors = load_file(shard)
-    name = "model.language_model.layers.2.mlp.down_proj.weight"
-    tensors[name][3, 40] = tensors[name][3, 40] * 1.37 + 1e-3
+    edit(tensors)
     save_file(tensors, shard, metadata={"format": "pt"})
+    return dst
+
+
+def _push_off_grid(name):
+    def edit(tensors):
+        tensors[name][3, 40] = tensors[name][3, 40] * 1.37 + 1e-3
+    return edit
+
+
+def test_q4_0_off_grid_weight_is_named(plugin, int4_checkpoints, tmp_path):
+    name = "model.language_model.layers.2.mlp.down_proj.weight"
+    path = _edited_copy(int4_checkpoints["q4_0"], tmp_path / "q4",
+                        _push_off_grid(name))
     with pytest.raises(int4.OffGridError, match=rf"{re.escape(name)}: 1 group"):
         _load("q4_0", path)
 
 
 def test_w4a16_missing_scale_is_named_not_a_jax_type_error(
         plugin, int4_checkpoints, tmp_path):
-    from safetensors.torch import load_file, save_file
-    path = tmp_path / "ct"
-    shutil.copytree(int4_checkpoints["w4a16"], path)
-    shard = path / "model.safetensors"
-    tensors = load_file(shard)
     name = "model.language_model.layers.4.self_attn.o_proj.weight_scale"
-    del tensors[name]
-    save_file(tensors, shard, metadata={"format": "pt"})
+    path = _edited_copy(int4_checkpoints["w4a16"], tmp_path / "ct",
+                        lambda tensors: tensors.pop(name))
     with pytest.raises(CheckpointError, match=rf"missing tensor {re.escape(name)}"):
         _load("w4a16", path)
 
@@ -305,14 +312,9 @@ def test_int4_overrides_for_a_checkpoint_keeps_off_grid_modules_bf16(
         plugin, int4_checkpoints, tmp_path):
     import json
     import subprocess
-    from safetensors.torch import load_file, save_file
-    path = tmp_path / "q4"
-    shutil.copytree(int4_checkpoints["q4_0"], path)
-    shard = path / "model.safetensors"
-    tensors = load_file(shard)
     off = "model.language_model.layers.2.mlp.up_proj"
-    tensors[off + ".weight"][3, 40] = tensors[off + ".weight"][3, 40] * 1.37 + 1e-3
-    save_file(tensors, shard, metadata={"format": "pt"})
+    path = _edited_copy(int4_checkpoints["q4_0"], tmp_path / "q4",
+                        _push_off_grid(off + ".weight"))
     out = subprocess.run([shutil.which("vllm-gemma-qat"), "int4-overrides",
                           str(path)], capture_output=True, text=True,
                          timeout=300)

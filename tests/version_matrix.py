@@ -11,7 +11,8 @@
         tests (tests/test_core_loader.py, tests/test_bad_input.py: both
         layouts load, shared layers own no K/V, logits equal transformers,
         bad inputs named); where it says "refuse", a gemma_qat load that
-        must end in the clear refusal. ~10 min and ~11 GB a version.
+        must end in the clear refusal (Gemma4Model built for gemma_qat).
+        ~10 min and ~11 GB a version.
 
 --readme writes the results table into README.md between the
 `version-table` markers. Results accumulate in matrix/results.json.
@@ -38,20 +39,22 @@ GEMMA4 = "tpu_inference/models/jax/gemma4.py"
 CPU_ENV = {"JAX_PLATFORMS": "cpu", "TPU_NAME": "cpu-ci",
            "TPU_ACCELERATOR_TYPE": "v6e-1", "TPU_WORKER_ID": "0",
            "HF_HUB_OFFLINE": "1"}
+# The guard fires when Gemma4Model is built for gemma_qat, before anything
+# else: built here directly, so no checkpoint (whose config.json an older
+# transformers may not read) is needed.
 REFUSAL = """
-import sys
+from types import SimpleNamespace
 from vllm.plugins import load_general_plugins
 load_general_plugins()
-from vllm_gemma_qat import cpu_mode, tiny
+import tpu_inference.models.jax.gemma4 as gemma4
 from vllm_gemma_qat.kv_share_patch import UnsupportedTpuInference
-tiny.save_checkpoint(tiny.build_model("e2b"), sys.argv[1], "qat")
-cpu_mode.install_attention()
+config = SimpleNamespace(load_config=SimpleNamespace(load_format="gemma_qat"))
 try:
-    cpu_mode.load(sys.argv[1], "gemma_qat")
+    gemma4.Gemma4Model(config, None, None)
 except UnsupportedTpuInference as e:
     print("REFUSED", e)
-else:
-    print("LOADED")
+except Exception as e:
+    print("NOT REFUSED", type(e).__name__, e)
 """
 
 
@@ -123,14 +126,13 @@ def full(results: dict, vllm_tpu_versions: list[str]) -> None:
             result = ("model-level tests pass" if run.returncode == 0
                       else f"FAILED: {tail}")
         else:
-            run = subprocess.run([python, "-c", REFUSAL,
-                                  str(CACHE / f"ckpt-{version}")],
-                                 env=env, capture_output=True, text=True,
-                                 timeout=1800)
+            run = subprocess.run([python, "-c", REFUSAL], env=env,
+                                 capture_output=True, text=True, timeout=1800)
             refused = next((line for line in run.stdout.splitlines()
                             if line.startswith("REFUSED")), None)
             result = ("refused clearly" if refused and tpu in refused
-                      else f"NOT refused: {(run.stdout + run.stderr)[-300:]}")
+                      else "NOT refused: " + " ".join(
+                          (run.stdout + run.stderr)[-300:].split()))
         print(f"vllm-tpu {version} (tpu-inference {tpu}): {result}", flush=True)
         results.setdefault(tpu, {}).update(
             full=result, vllm_tpu=version,
