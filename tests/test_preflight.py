@@ -180,3 +180,32 @@ def test_structural_guard_on_gemma4_sources():
     renamed = source.replace("self.k_norm =", "self.key_norm =")
     assert unsupported_structure_in_source(renamed) == (
         "Gemma4Attention no longer sets self.k_norm")
+
+
+def test_plan_validates_inputs_and_caps_at_the_model_context(tmp_path):
+    path = synthetic.write_header_only(tmp_path / "c", "e2b", "qat")
+    rc, out, _ = cli("plan", path, "--agents", 2, "--context", 200000)
+    assert rc == 1
+    assert ("200000 tokens exceeds the model's max_position_embeddings "
+            "131072: does NOT fit") in out
+    rc, out, _ = cli("plan", path, "--agents", 1, "--json")
+    p = json.loads(out)
+    assert rc == 0 and p["max_context_for_agents"] == 131072
+    assert p["context_limit"] == 131072
+    for args, message in ((("--agents", 0), "must be > 0, got 0"),
+                          (("--context", -5), "must be > 0, got -5"),
+                          (("--utilization", 1.5), r"must be in (0, 1], got 1.5")):
+        rc, out, err = cli("plan", path, *args)
+        assert rc == 2 and out == "" and message in err, err
+    # --json: errors are JSON too.
+    rc, out, _ = cli("plan", tmp_path / "nowhere", "--json")
+    assert rc == 2 and "nowhere" in json.loads(out)["error"]
+    rc, out, _ = cli("plan", "--help")
+    assert "(default: 8192)" in out and "exit codes" in out
+
+
+def test_plan_reports_weight_dtypes_as_they_are(tiny_models):
+    # transformers wrote this tiny checkpoint in fp32.
+    rc, out, _ = cli("plan", tiny_models.checkpoint("e2b", True, "qat"),
+                     "--context", 1024)
+    assert rc == 0 and "(f32; from checkpoint headers)" in out, out

@@ -166,8 +166,9 @@ def cmd_inspect(args) -> int:
 
 
 def _plan_inputs(target: str):
-    """(Geometry, bf16 weight bytes as loaded, source) from a checkpoint
-    (headers) or a bare config.json (language model from the geometry)."""
+    """(Geometry, weight bytes as loaded, their dtypes, source) from a
+    checkpoint (headers) or a bare config.json (language model from the
+    geometry, bf16 assumed)."""
     p = Path(target)
     if not p.is_file():
         resolved = checkpoint.resolve(target, allow_download=False)
@@ -179,17 +180,19 @@ def _plan_inputs(target: str):
         geometry.architecture_of(config)
         geo = geometry.Geometry.from_text_config(geometry.text_config_of(config))
         n = sum(_numel(s) for s in geo.expected("").values())
-        return geo, 2 * n, "config (language model only)"
+        return geo, 2 * n, "bf16 assumed", "config (language model only)"
     ckpt, report = _open(target)
     skipped = set(report.skipped)
-    loaded = sum(i.nbytes for n, i in ckpt.tensors.items()
-                 if n not in skipped and ".audio_tower." not in n
-                 and ".embed_audio." not in n)
+    loaded = [i for n, i in ckpt.tensors.items()
+              if n not in skipped and ".audio_tower." not in n
+              and ".embed_audio." not in n]
     if report.export_kind == "qat-w4a16-ct":
         raise CheckpointError(
             f"{target}: plan takes a bf16 export (regular or QAT bf16); pass "
             "--weights int4 for the 4-bit figure")
-    return report.geometry, loaded, "checkpoint headers"
+    dtypes = ", ".join(sorted({i.dtype.lower() for i in loaded}))
+    return (report.geometry, sum(i.nbytes for i in loaded), dtypes,
+            "checkpoint headers")
 
 
 def _load_json(p: Path) -> dict:
@@ -207,15 +210,22 @@ def _numel(shape) -> int:
 
 
 def cmd_plan(args) -> int:
-    geo, bf16_bytes, source = _plan_inputs(args.target)
-    p = plan.make_plan(geo, bf16_bytes, agents=args.agents, context=args.context,
-                       kv_dtype=args.kv_dtype, hbm_gib=args.hbm_gib,
-                       utilization=args.utilization, weights=args.weights)
+    geo, weight_bytes, dtypes, source = _plan_inputs(args.target)
+    p = plan.make_plan(geo, weight_bytes, agents=args.agents,
+                       context=args.context, kv_dtype=args.kv_dtype,
+                       hbm_gib=args.hbm_gib, utilization=args.utilization,
+                       weights=args.weights)
+    weights = ("int4 linears, the rest as loaded" if args.weights == "int4"
+               else dtypes)
     if args.json:
-        print(json.dumps(p.as_dict() | {"weights_from": source}, indent=1))
+        print(json.dumps(p.as_dict() | {"weights_from": source,
+                                        "weight_dtypes": weights}, indent=1))
         return 0 if p.fits else 1
     kib = p.kv_bytes_per_token / 1024
-    print(f"weights       {_gb(p.weight_bytes)} ({args.weights}; from {source})")
+    print(f"weights       {_gb(p.weight_bytes)} ({weights}; from {source})")
+    if p.context_limit and args.context > p.context_limit:
+        print(f"context       {args.context} tokens exceeds the model's "
+              f"max_position_embeddings {p.context_limit}: does NOT fit")
     print(f"KV per token  {p.kv_bytes_per_token} bytes ({kib:g} KiB, "
           f"{args.kv_dtype}; {geo.num_layers - geo.num_kv_shared_layers} of "
           f"{geo.num_layers} layers hold KV)")
@@ -278,18 +288,27 @@ def main(argv=None) -> int:
                    help="also read the bf16 linears and report which lie on "
                    "the q4_0 int4 grid (reads their data, not headers only)")
     p.set_defaults(func=cmd_inspect)
-    p = sub.add_parser("plan", help="weights + KV cache for N agents x T tokens")
+    p = sub.add_parser(
+        "plan", help="weights + KV cache for N agents x T tokens",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="exit codes: 0 fits, 1 does not fit, 2 bad input; with "
+        "--json the plan (or the error) is one JSON object on stdout")
     p.add_argument("target", help="checkpoint directory, repo id, or config.json")
-    p.add_argument("--agents", type=int, default=8)
-    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--agents", type=_positive(int), default=8,
+                   help="concurrent sequences")
+    p.add_argument("--context", type=_positive(int), default=8192,
+                   help="tokens per sequence (at most the model's "
+                   "max_position_embeddings)")
     p.add_argument("--kv-dtype", choices=sorted(plan.KV_DTYPE_BYTES),
-                   default="bf16")
-    p.add_argument("--hbm-gib", type=float, default=32.0,
-                   help="accelerator memory (v6e: 32)")
-    p.add_argument("--utilization", type=float, default=0.9,
-                   help="vLLM --gpu-memory-utilization")
-    p.add_argument("--weights", choices=["bf16", "int4"], default="bf16")
-    p.add_argument("--json", action="store_true")
+                   default="bf16", help="KV cache dtype")
+    p.add_argument("--hbm-gib", type=_positive(float), default=32.0,
+                   help="accelerator memory per chip (v6e: 32)")
+    p.add_argument("--utilization", type=_fraction, default=0.9,
+                   help="vLLM --gpu-memory-utilization, in (0, 1]")
+    p.add_argument("--weights", choices=["bf16", "int4"], default="bf16",
+                   help="int4: the linears as the w4a16 export holds them")
+    p.add_argument("--json", action="store_true",
+                   help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser(
         "int4-overrides",
@@ -303,8 +322,28 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if getattr(args, "json", False):
+            print(json.dumps({"error": str(e)}))
+        else:
+            print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 if __name__ == "__main__":

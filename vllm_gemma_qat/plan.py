@@ -62,6 +62,7 @@ class Plan:
     max_agents_at_context_swa: int
     max_context_for_agents: int
     max_context_for_agents_swa: int
+    context_limit: int | None  # the model's max_position_embeddings
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -81,6 +82,12 @@ def make_plan(geo: Geometry, bf16_weight_bytes: int, *, agents: int,
     def swa_agent(t: int) -> int:
         return t * full_per_token + min(t, window) * sliding_per_token
 
+    limit = geo.text.get("max_position_embeddings")
+
+    def within_limit(tokens: int) -> int:
+        return min(tokens, limit) if limit else tokens
+
+    in_range = not limit or context <= limit
     w = weight_bytes(geo, bf16_weight_bytes, weights)
     budget = max(0, int(hbm_gib * GIB * utilization) - w)
     max_ctx_swa = 0
@@ -100,10 +107,12 @@ def make_plan(geo: Geometry, bf16_weight_bytes: int, *, agents: int,
         kv_total_bytes=agents * context * per_token,
         kv_total_bytes_swa=agents * swa_agent(context),
         budget_bytes=budget,
-        fits=agents * context * per_token <= budget,
-        fits_swa=agents * swa_agent(context) <= budget,
+        fits=in_range and agents * context * per_token <= budget,
+        fits_swa=in_range and agents * swa_agent(context) <= budget,
         max_agents_at_context=budget // (context * per_token) if context else 0,
         max_agents_at_context_swa=budget // swa_agent(context) if context else 0,
-        max_context_for_agents=budget // (agents * per_token) if agents else 0,
-        max_context_for_agents_swa=max_ctx_swa,
+        max_context_for_agents=within_limit(budget // (agents * per_token))
+        if agents else 0,
+        max_context_for_agents_swa=within_limit(max_ctx_swa),
+        context_limit=limit,
     )

@@ -30,6 +30,7 @@ def _text_config(hidden, intermediate, layers, shared, kv_heads, block,
         "layer_types": (pattern * layers)[:layers],
         "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
         "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "max_position_embeddings": 131072,
     }
 
 
