@@ -260,10 +260,9 @@ def cmd_int4_overrides(args) -> int:
             print(f"stays bf16: {why}", file=sys.stderr)
         # tpu-inference fuses gate_proj and up_proj: an off-grid half keeps
         # its partner bf16 too.
-        for gate in linears:
-            up = gate.removesuffix("gate_proj") + "up_proj"
-            if gate.endswith(".mlp.gate_proj") and (gate in off) != (up in off):
-                partner = up if gate in off else gate
+        for module in sorted(off):
+            partner = geometry.fused_partner(module)
+            if partner and partner not in off:
                 ignore.append(partner)
                 print(f"stays bf16: {partner} (fused with its off-grid "
                       "gate_proj / up_proj)", file=sys.stderr)

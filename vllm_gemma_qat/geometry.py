@@ -390,11 +390,21 @@ def _quantization_mismatches(config: dict, linears: set[str],
     return out
 
 
+def fused_partner(module: str) -> str | None:
+    """The other half of the linear tpu-inference fuses `module` into
+    (mlp.gate_proj <-> mlp.up_proj), else None."""
+    for half, other in ((".mlp.gate_proj", ".mlp.up_proj"),
+                        (".mlp.up_proj", ".mlp.gate_proj")):
+        if module.endswith(half):
+            return module.removesuffix(half) + other
+    return None
+
+
 def gate_up_mismatches(linears, int4_modules: set[str]) -> list[str]:
     """tpu-inference fuses mlp.gate_proj and mlp.up_proj into one linear
     (quantized or not as a unit): both must be int4, or neither."""
-    return [f"{gate} and {gate[:-len('gate_proj')]}up_proj must be both int4 "
-            "or both bf16 (tpu-inference fuses them into one linear)"
+    return [f"{gate} and {up} must be both int4 or both bf16 (tpu-inference "
+            "fuses them into one linear)"
             for gate in sorted(linears) if gate.endswith(".mlp.gate_proj")
             and (gate in int4_modules) != (
-                gate[:-len("gate_proj")] + "up_proj" in int4_modules)]
+                (up := fused_partner(gate)) in int4_modules)]
