@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_gemma_qat import synthetic
+from vllm_gemma_qat.testing import synthetic
 
 
 def main() -> None:

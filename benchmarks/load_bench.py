@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def scaled_config(scale: float) -> dict:
-    from vllm_gemma_qat import synthetic
+    from vllm_gemma_qat.testing import synthetic
     config = json.loads(json.dumps(synthetic.CONFIGS["e2b"]))
     text = config["text_config"]
     if scale < 1:
@@ -126,7 +126,8 @@ def child(path: str, load_format: str, int4_flag: str, out: str) -> None:
     """One load in this (fresh) process; writes a JSON result."""
     from vllm.plugins import load_general_plugins
 
-    from vllm_gemma_qat import cpu_mode, quantization, weights
+    from vllm_gemma_qat import quantization, weights
+    from vllm_gemma_qat.testing import runner
     load_general_plugins()
     overrides = ({"quantization_config":
                   quantization.w4a16_quantization_config()}
@@ -134,8 +135,8 @@ def child(path: str, load_format: str, int4_flag: str, out: str) -> None:
     sampler = MemorySampler()
     sampler.start()
     start = time.perf_counter()
-    model, _, _ = cpu_mode.load(path, load_format, dtype="bfloat16",
-                                hf_overrides=overrides)
+    model, _, _ = runner.load(path, load_format, dtype="bfloat16",
+                              hf_overrides=overrides)
     wall = time.perf_counter() - start
     sampler.done.set()
     sampler.join()

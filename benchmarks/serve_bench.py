@@ -18,6 +18,7 @@ Smoke run on CPU (starts its own CPU-mode server on the tiny model):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shutil
@@ -29,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_gemma_qat.cpu_server import metric_totals
+from vllm_gemma_qat.cpu.server import metric_totals
 
 # ../shared/GEMMA4_FACTS.md: vLLM on the regular BF16 export, TPU v6e-1,
 # random 1024 in / 128 out, aggregate output tok/s by concurrency.
@@ -225,8 +226,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
-        from vllm_gemma_qat import tiny
-        from vllm_gemma_qat.cpu_server import CpuServer
+        from vllm_gemma_qat.cpu.server import CpuServer
+        from vllm_gemma_qat.testing import tiny
         model_dir = args.out / "tiny-model"
         if model_dir.exists():
             shutil.rmtree(model_dir)
@@ -241,7 +242,7 @@ def main() -> None:
         label = "CPU smoke (tiny model, CPU mode)"
     else:
         server, label = None, f"{args.model} via gemma_qat"
-    with server or _Nothing():
+    with server or contextlib.nullcontext():
         base_url = server.url if server else args.base_url
         rows = sweep(base_url, args.model, args.tokenizer or args.model,
                      args.concurrency, args.input_len, args.output_len,
@@ -255,14 +256,6 @@ def main() -> None:
     write_markdown(args.out, rows, agent_row, label)
     plot(args.out, rows, label)
     print(f"wrote {args.out}/results.json, results.md, plot.png")
-
-
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

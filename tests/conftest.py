@@ -1,12 +1,9 @@
 import os
 import sys
 
-# Before anything imports JAX / tpu_inference: CPU backend, and TPU_* values
-# that stop tpu_inference's import-time cloud-metadata lookups.
-for key, value in {"JAX_PLATFORMS": "cpu", "TPU_NAME": "cpu-ci",
-                   "TPU_ACCELERATOR_TYPE": "v6e-1", "TPU_WORKER_ID": "0",
-                   "HF_HUB_OFFLINE": "1"}.items():
-    os.environ.setdefault(key, value)
+from vllm_gemma_qat.cpu.env import set_defaults
+
+set_defaults(os.environ)  # before anything imports JAX / tpu_inference
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402
@@ -40,14 +37,14 @@ class Tiny:
         self.models = {}
 
     def model(self, geometry, multimodal):
-        from vllm_gemma_qat import tiny
+        from vllm_gemma_qat.testing import tiny
         key = (geometry, multimodal)
         if key not in self.models:
             self.models[key] = tiny.build_model(geometry, multimodal)
         return self.models[key]
 
     def checkpoint(self, geometry="e2b", multimodal=True, layout="qat"):
-        from vllm_gemma_qat import tiny
+        from vllm_gemma_qat.testing import tiny
         path = self.root / f"{geometry}-{'mm' if multimodal else 'text'}-{layout}"
         if not path.exists():
             tiny.save_checkpoint(self.model(geometry, multimodal), path, layout)

@@ -1,12 +1,8 @@
-"""Test helpers: the transformers reference, and CPU attention scoped to a
-test. Model building and the paged runner live in vllm_gemma_qat.cpu_mode."""
+"""Test helpers: the transformers reference and OpenAI-endpoint requests.
+Building and running tpu-inference's model: vllm_gemma_qat.testing.runner."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
-
-from vllm_gemma_qat.cpu_mode import PagedRunner, load  # noqa: F401
 
 
 def hf_logits(hf_model, token_ids) -> np.ndarray:
@@ -14,19 +10,6 @@ def hf_logits(hf_model, token_ids) -> np.ndarray:
     with torch.no_grad():
         out = hf_model(input_ids=torch.tensor([list(token_ids)]))
     return out.logits[0].float().numpy()
-
-
-@contextlib.contextmanager
-def cpu_attention():
-    from tpu_inference.layers.common import attention_interface
-
-    from vllm_gemma_qat import cpu_mode
-    saved = attention_interface.sharded_ragged_paged_attention
-    cpu_mode.install_attention()
-    try:
-        yield
-    finally:
-        attention_interface.sharded_ragged_paged_attention = saved
 
 
 def hf_greedy(hf, prompt_ids, n):

@@ -1,6 +1,6 @@
 """Exact int4: grid recovery, packing, and both QAT int4 exports loaded
 through gemma_qat into tpu-inference's wNa16 path (CPU; tokamax's TPU-only
-gmm_v2 replaced by CPU mode's vllm_gemma_qat/cpu_gmm.py, itself checked
+gmm_v2 replaced by CPU mode's vllm_gemma_qat/cpu/gmm.py, itself checked
 against tokamax's own reference)."""
 import re
 import shutil
@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_gemma_qat import cpu_gmm
 import harness
-from vllm_gemma_qat import checkpoint, geometry, int4, quantization, tiny
+from vllm_gemma_qat import checkpoint, cpu, geometry, int4, quantization
 from vllm_gemma_qat.checkpoint import CheckpointError
+from vllm_gemma_qat.cpu import gmm as cpu_gmm
+from vllm_gemma_qat.testing import runner, tiny
 
 BF16 = ml_dtypes.bfloat16
 # Both sides use the same exact weights (fp32 activations, q * d exact), so
@@ -167,7 +168,7 @@ def _load(form, path, overrides=None):
     if form == "q4_0" and overrides is None:
         overrides = {"quantization_config":
                      quantization.w4a16_quantization_config()}
-    return harness.load(path, "gemma_qat", hf_overrides=overrides)
+    return runner.load(path, "gemma_qat", hf_overrides=overrides)
 
 
 def _int4_modules(model) -> set[str]:
@@ -222,8 +223,8 @@ def test_int4_export_loads_and_matches_transformers(plugin, int4_model,
     ratio, bf16_bytes = _linear_int4_ratio(model)
     assert 0.25 <= ratio <= 0.3 and bf16_bytes > 0
     prompt = list(np.random.RandomState(0).randint(3, 500, size=21))
-    with harness.cpu_attention(), cpu_gmm.installed():
-        got = harness.PagedRunner(model, config, mesh).step(prompt)
+    with cpu.kernels():
+        got = runner.PagedRunner(model, config, mesh).step(prompt)
     np.testing.assert_allclose(got, harness.hf_logits(hf, prompt),
                                atol=LOGIT_ATOL, rtol=0)
 
@@ -237,8 +238,8 @@ def test_int4_loads_catch_a_wrong_nibble_order(plugin, int4_model,
         q.reshape(q.shape[0], -1, 8)[..., ::-1].reshape(q.shape).copy()))
     model, config, mesh = _load("q4_0", int4_checkpoints["q4_0"])
     prompt = list(np.random.RandomState(0).randint(3, 500, size=21))
-    with harness.cpu_attention(), cpu_gmm.installed():
-        got = harness.PagedRunner(model, config, mesh).step(prompt)
+    with cpu.kernels():
+        got = runner.PagedRunner(model, config, mesh).step(prompt)
     assert np.abs(got - harness.hf_logits(hf, prompt)).max() > 100 * LOGIT_ATOL
 
 
@@ -335,7 +336,7 @@ def test_int4_overrides_for_a_checkpoint_keeps_off_grid_modules_bf16(
     hf = Gemma4ForConditionalGeneration.from_pretrained(
         path, dtype=torch.float32).eval()
     prompt = list(np.random.RandomState(0).randint(3, 500, size=21))
-    with harness.cpu_attention(), cpu_gmm.installed():
-        got = harness.PagedRunner(model, config, mesh).step(prompt)
+    with cpu.kernels():
+        got = runner.PagedRunner(model, config, mesh).step(prompt)
     np.testing.assert_allclose(got, harness.hf_logits(hf, prompt),
                                atol=LOGIT_ATOL, rtol=0)

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from vllm_gemma_qat import synthetic
+from vllm_gemma_qat.testing import synthetic
 
 CLI = shutil.which("vllm-gemma-qat")
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 from harness import complete, guided_tool_call, hf_greedy
-from vllm_gemma_qat import tiny
-from vllm_gemma_qat.cpu_server import CpuServer
+from vllm_gemma_qat.cpu.server import CpuServer
+from vllm_gemma_qat.testing import tiny
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,8 @@ def test_plugin_reaches_every_process_through_its_entry_point(served):
     log = server.log.read_text()
     # No import in the command: vLLM loaded the plugin in the API server and
     # in the engine core, and the engine core loaded weights with it.
-    assert log.count("vllm-gemma-qat CPU mode (VLLM_GEMMA_QAT_CPU_MODE=1)") >= 2
+    assert log.count("vllm-gemma-qat CPU mode (VLLM_GEMMA_QAT_CPU_MODE=1, "
+                     "tests and demos only) substitutes:") >= 2
     assert "(EngineCore" in log and "gemma_qat: loaded" in log
 
 

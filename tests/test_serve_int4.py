@@ -9,8 +9,9 @@ import re
 import pytest
 
 from harness import complete, guided_tool_call, hf_greedy
-from vllm_gemma_qat import quantization, tiny
-from vllm_gemma_qat.cpu_server import CpuServer
+from vllm_gemma_qat import quantization
+from vllm_gemma_qat.cpu.server import CpuServer
+from vllm_gemma_qat.testing import tiny
 
 
 @pytest.fixture(scope="module", params=["w4a16", "q4_0"])

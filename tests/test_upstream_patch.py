@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PATCHES = sorted((ROOT / "patches").glob("*.patch"))
 PINNED = "0.32.0"
+UPSTREAM_TESTS = "tests/models/jax/test_gemma4_kv_share.py"
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +30,24 @@ def patched(tmp_path_factory):
                     ignore=shutil.ignore_patterns("__pycache__"))
     for patch in PATCHES:
         # git apply refuses any hunk that does not match exactly (no fuzz).
-        out = subprocess.run(["git", "apply", "--check", "-v", str(patch)],
+        # The wheel ships no tests/: the package part only.
+        apply = ["git", "apply", "--include=tpu_inference/*", str(patch)]
+        out = subprocess.run([*apply[:2], "--check", "-v", *apply[2:]],
                              cwd=root, capture_output=True, text=True)
         assert out.returncode == 0, (
             f"{patch.name} no longer applies to tpu-inference {version}:\n"
             f"{out.stderr}")
-        subprocess.run(["git", "apply", str(patch)], cwd=root, check=True)
+        subprocess.run(apply, cwd=root, check=True)
     return root
+
+
+def appended_tests(patch_text: str, path: str) -> str:
+    """The lines the patch appends at the end of `path` (its last hunk)."""
+    diff = patch_text.split(f"diff --git a/{path} b/{path}\n", 1)[1]
+    diff = diff.split("\ndiff --git ", 1)[0]
+    last_hunk = diff.rsplit("\n@@ ", 1)[1].split("\n", 1)[1]
+    return "".join(line[1:] + "\n" for line in last_hunk.splitlines()
+                   if line.startswith("+"))
 
 
 def _run(args, root, **env):
@@ -48,11 +60,12 @@ def _run(args, root, **env):
 
 def test_patch_touches_what_it_should(patched):
     text = PATCHES[0].read_text()
-    for path in ("tpu_inference/models/jax/gemma4.py",
-                 "tpu_inference/models/jax/gemma4_mm.py",
-                 "tests/models/jax/test_gemma4_kv_share_params.py"):
+    for path in ("tpu_inference/models/common/kv_share.py",
+                 "tpu_inference/models/jax/gemma4.py",
+                 "tpu_inference/models/jax/gemma4_mm.py", UPSTREAM_TESTS):
         assert f"diff --git a/{path} b/{path}" in text
-    assert (patched / "tests/models/jax/test_gemma4_kv_share_params.py").exists()
+    # Tests go into tpu-inference's existing KV-share test file.
+    assert "new file mode" not in text
 
 
 def test_stock_auto_loads_both_layouts_with_patch_and_no_plugin(
@@ -73,8 +86,13 @@ def test_stock_auto_loads_both_layouts_with_patch_and_no_plugin(
 
 
 def test_patch_own_tests_pass_against_patched_copy(patched):
-    out = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider",
-                "tests/models/jax/test_gemma4_kv_share_params.py"], patched)
+    tests = appended_tests(PATCHES[0].read_text(), UPSTREAM_TESTS)
+    assert tests.count("\ndef test_") == 2
+    file = patched / UPSTREAM_TESTS
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text((ROOT / "tests" / "upstream_test_context.py").read_text()
+                    + tests)
+    out = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", file], patched)
     assert out.returncode == 0, out.stdout[-4000:]
     assert "2 passed" in out.stdout
 

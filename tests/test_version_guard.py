@@ -49,15 +49,14 @@ CHECK = """
 import sys
 from vllm.plugins import load_general_plugins
 load_general_plugins()
-from vllm_gemma_qat import cpu_mode
-cpu_mode.install_attention()
+from vllm_gemma_qat.testing.runner import load
 import tpu_inference.models.jax.gemma4 as g
 assert g.__file__.startswith(sys.argv[1]), g.__file__
 try:
-    cpu_mode.load(sys.argv[2], "gemma_qat")
+    load(sys.argv[2], "gemma_qat")
 except Exception as e:
     print("ERROR", type(e).__name__, e)
-model, _, _ = cpu_mode.load(sys.argv[3], "auto")
+model, _, _ = load(sys.argv[3], "auto")
 print("auto loaded", type(model.model).__name__)
 """
 

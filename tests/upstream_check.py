@@ -11,22 +11,22 @@ import sys
 import numpy as np
 from vllm.plugins import load_general_plugins
 
-from vllm_gemma_qat import cpu_mode, tiny
+from vllm_gemma_qat import cpu
+from vllm_gemma_qat.testing import runner, tiny
 
 
 def main(mode, paths):
     logging.basicConfig(level=logging.INFO)  # as vLLM's engine processes do
     load_general_plugins()
-    import tpu_inference.models.jax.gemma4 as gemma4
-    assert hasattr(gemma4, "skip_kv_shared_layer_weights"), gemma4.__file__
+    from tpu_inference.models.common import kv_share
+    assert hasattr(kv_share, "skip_kv_shared_layer_weights"), kv_share.__file__
     plugin_loaded = "vllm_gemma_qat.kv_share_patch" in sys.modules
     assert plugin_loaded == (mode == "plugin"), plugin_loaded
-    cpu_mode.install_attention()
     for path in paths:
         geometry, layout = path.rsplit("/", 1)[-1].split("-")
         multimodal = geometry == "e2b"
         load_format = "gemma_qat" if mode == "plugin" else "auto"
-        model, config, mesh = cpu_mode.load(path, load_format)
+        model, config, mesh = runner.load(path, load_format)
         text = config.model_config.hf_config.text_config
         from tpu_inference.models.common.kv_share import compute_kv_share_map
         lm = (model.model.model.language_model if multimodal else
@@ -40,7 +40,8 @@ def main(mode, paths):
         import torch
         with torch.no_grad():
             ref = hf(input_ids=torch.tensor([prompt])).logits[0].numpy()
-        got = cpu_mode.PagedRunner(model, config, mesh).step(prompt)
+        with cpu.kernels():
+            got = runner.PagedRunner(model, config, mesh).step(prompt)
         diff = float(np.abs(got - ref).max())
         assert diff < 1e-4, diff
         print(f"ok {mode} {load_format} {geometry} {layout} max|dlogit|={diff:.2e}")

@@ -29,6 +29,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from vllm_gemma_qat.cpu.env import CPU_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / \
     "vllm-gemma-qat" / "matrix"
@@ -36,9 +38,6 @@ RESULTS = CACHE / "results.json"
 RELEASES = ["0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.26.0",
             "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0"]
 GEMMA4 = "tpu_inference/models/jax/gemma4.py"
-CPU_ENV = {"JAX_PLATFORMS": "cpu", "TPU_NAME": "cpu-ci",
-           "TPU_ACCELERATOR_TYPE": "v6e-1", "TPU_WORKER_ID": "0",
-           "HF_HUB_OFFLINE": "1"}
 # The guard fires when Gemma4Model is built for gemma_qat, before anything
 # else: built here directly, so no checkpoint (whose config.json an older
 # transformers may not read) is needed.

@@ -4,6 +4,16 @@
 API server, the engine core and every worker, so it is idempotent and cheap:
 it registers the loader and arranges for tpu-inference's Gemma 4 module to be
 patched when (and if) it is imported.
+
+Layout (imports go one way, down this list):
+  checkpoint, quantization, geometry  header-only: what a checkpoint holds
+                                      and what gemma_qat needs of it
+  int4, weights, loader               reading tensors into the model
+  substitute, kv_share_patch          runtime changes to tpu-inference
+  plan, cli                           `vllm-gemma-qat inspect | plan | ...`
+  cpu/       opt-in CPU mode (its own entry point): kernel stand-ins,
+             substitution table, a `vllm serve` wrapper
+  testing/   tiny and header-only checkpoints, a model runner, the demo
 """
 __version__ = "0.1.0"
 
@@ -20,7 +30,3 @@ def register() -> None:
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not GemmaQatModelLoader:
         register_model_loader(LOAD_FORMAT)(GemmaQatModelLoader)
     kv_share_patch.install()
-
-    from vllm_gemma_qat import cpu_mode
-    if cpu_mode.requested():  # opt-in, for tests and demos without a TPU
-        cpu_mode.enable()

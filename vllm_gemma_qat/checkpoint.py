@@ -3,6 +3,7 @@ tensor names/dtypes/shapes, and file-integrity checks. Reads no tensor data."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -16,6 +17,10 @@ DTYPE_BYTES = {
     "F16": 2, "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1,
     "U8": 1, "BOOL": 1,
 }
+
+
+def numel(shape) -> int:
+    return math.prod(shape)
 
 
 class CheckpointError(ValueError):
@@ -32,10 +37,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return numel(self.shape)
 
     @property
     def nbytes(self) -> int:

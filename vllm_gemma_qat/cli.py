@@ -39,7 +39,7 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def _auto_reason(report: geometry.Report) -> str:
+def _auto_reason(report: geometry.CheckpointReport) -> str:
     if not report.loads_with_gemma_qat:
         return "the checkpoint itself is incomplete or inconsistent"
     if report.loads_with_auto:
@@ -49,7 +49,7 @@ def _auto_reason(report: geometry.Report) -> str:
             f"KV-shared layers, which this export omits (tpu-inference #3225)")
 
 
-def inspect_summary(ckpt, report: geometry.Report) -> dict:
+def inspect_summary(ckpt, report: geometry.CheckpointReport) -> dict:
     geo = report.geometry
     by_dtype = Counter()
     for info in ckpt.tensors.values():
@@ -139,13 +139,13 @@ def _module_summary(modules: list[str]) -> str:
                      for m, n in sorted(counts.items()))
 
 
-def _bf16_linears(report: geometry.Report) -> list[str]:
+def _bf16_linears(report: geometry.CheckpointReport) -> list[str]:
     quantized = set(report.quantized)
     return [m for m in report.geometry.linear_modules(report.prefix)
             if m not in quantized]
 
 
-def _off_grid(ckpt, report: geometry.Report) -> dict[str, str]:
+def _off_grid(ckpt, report: geometry.CheckpointReport) -> dict[str, str]:
     """{bf16 linear off the q4_0 grid: why}."""
     from vllm_gemma_qat import int4
     return int4.off_grid_modules(ckpt, _bf16_linears(report))
@@ -179,7 +179,7 @@ def _plan_inputs(target: str):
             else _load_json(p)
         geometry.architecture_of(config)
         geo = geometry.Geometry.from_text_config(geometry.text_config_of(config))
-        n = sum(_numel(s) for s in geo.expected("").values())
+        n = sum(checkpoint.numel(s) for s in geo.expected("").values())
         return geo, 2 * n, "bf16 assumed", "config (language model only)"
     ckpt, report = _open(target)
     skipped = set(report.skipped)
@@ -200,13 +200,6 @@ def _load_json(p: Path) -> dict:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{p}: not valid JSON ({e})") from None
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def cmd_plan(args) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -230,7 +230,7 @@ def is_language_model_tensor(name: str, prefix: str) -> bool:
 
 
 @dataclass
-class Report:
+class CheckpointReport:
     """How a checkpoint's language-model tensors compare with what gemma_qat
     loads. Towers are left to tpu-inference's own loader."""
     architecture: str
@@ -305,57 +305,76 @@ def _infer_shared_kv(tensors: dict[str, TensorInfo], prefix: str,
     return num_layers - first_missing
 
 
-def check(ckpt: Checkpoint) -> Report:
+def check(ckpt: Checkpoint) -> CheckpointReport:
     """Compare a checkpoint's headers with what gemma_qat loads."""
     arch = architecture_of(ckpt.config)
     geo = Geometry.from_text_config(text_config_of(ckpt.config))
     prefix = language_model_prefix(ckpt.tensors)
     expected = geo.expected(prefix)
     linears = set(geo.linear_modules(prefix))
+    found = _sort_tensors(ckpt.tensors, prefix, geo, expected, linears)
+    missing = found.missing(expected)  # before `unexpected`: it adds to it
+    quantized = sorted(found.packed)
+    kind = ("qat-w4a16-ct" if quantized else
+            "regular-bf16" if found.skipped else "qat-bf16")
+    return CheckpointReport(
+        arch, geo, prefix, kind, expected, sorted(missing),
+        sorted(found.unexpected), found.wrong_shape, sorted(found.skipped),
+        found.lm_tensors, _infer_shared_kv(ckpt.tensors, prefix, geo.num_layers),
+        quantized,
+        _quantization_mismatches(ckpt.config, linears, set(found.packed)))
 
-    unexpected, wrong, skipped = [], [], []
-    packed: dict[str, set[str]] = {}  # module -> packed suffixes present
-    lm_tensors = 0
-    seen = set()
-    for name, info in ckpt.tensors.items():
+
+@dataclass
+class _SortedTensors:
+    """A checkpoint's language-model tensors, sorted against `expected`."""
+    seen: set[str] = field(default_factory=set)
+    skipped: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    wrong_shape: list = field(default_factory=list)
+    packed: dict[str, set[str]] = field(default_factory=dict)  # module -> suffixes
+    lm_tensors: int = 0
+
+    def missing(self, expected) -> list[str]:
+        """Expected tensors absent (a packed module's `weight` is not), and
+        the incomplete packed triples; flags a module stored both ways."""
+        out = [n for n in expected if n not in self.seen
+               and n.removesuffix(".weight") not in self.packed]
+        for module, suffixes in self.packed.items():
+            out += [f"{module}.{s}" for s in PACKED_SUFFIXES
+                    if s not in suffixes]
+            if module + ".weight" in self.seen:
+                self.unexpected.append(f"{module}.weight (the module is also "
+                                       "pack-quantized)")
+        return out
+
+
+def _sort_tensors(tensors: dict[str, TensorInfo], prefix: str, geo: Geometry,
+                  expected: dict, linears: set[str]) -> _SortedTensors:
+    out = _SortedTensors()
+    for name, info in tensors.items():
         if not is_language_model_tensor(name, prefix):
             continue
-        lm_tensors += 1
+        out.lm_tensors += 1
         if name == "lm_head.weight" or name == f"{prefix}lm_head.weight":
             # Tied to embed_tokens in every Gemma 4 export; tolerated either way.
             continue
         if is_shared_kv_tensor(name, geo.kv_share_map):
-            skipped.append(name)
+            out.skipped.append(name)
             continue
         module, _, suffix = name.rpartition(".")
         if suffix in PACKED_SUFFIXES and module in linears:
-            packed.setdefault(module, set()).add(suffix)
+            out.packed.setdefault(module, set()).add(suffix)
             want = _packed_shape(suffix, expected[module + ".weight"])
-            if info.shape != want:
-                wrong.append((name, info.shape, want))
+        elif name in expected:
+            out.seen.add(name)
+            want = expected[name]
+        else:
+            out.unexpected.append(name)
             continue
-        if name not in expected:
-            unexpected.append(name)
-            continue
-        seen.add(name)
-        if info.shape != expected[name]:
-            wrong.append((name, info.shape, expected[name]))
-    missing = [n for n in expected
-               if n not in seen and n.removesuffix(".weight") not in packed]
-    for module, suffixes in packed.items():
-        missing += [f"{module}.{s}" for s in PACKED_SUFFIXES if s not in suffixes]
-        if module + ".weight" in seen:
-            unexpected.append(f"{module}.weight (the module is also "
-                              f"pack-quantized)")
-
-    quantized = sorted(packed)
-    inconsistent = _quantization_mismatches(ckpt.config, linears, set(packed))
-    kind = ("qat-w4a16-ct" if quantized else
-            "regular-bf16" if skipped else "qat-bf16")
-    inferred = _infer_shared_kv(ckpt.tensors, prefix, geo.num_layers)
-    return Report(arch, geo, prefix, kind, expected, sorted(missing),
-                  sorted(unexpected), wrong, sorted(skipped), lm_tensors,
-                  inferred, quantized, inconsistent)
+        if info.shape != want:
+            out.wrong_shape.append((name, info.shape, want))
+    return out
 
 
 def _packed_shape(suffix: str, weight_shape: tuple[int, int]) -> tuple:

@@ -23,11 +23,15 @@ from __future__ import annotations
 import contextvars
 import functools
 import importlib.util
-from vllm.logger import init_logger
 import sys
 
-LOAD_FORMAT = "gemma_qat"
+from vllm.logger import init_logger
+
+from vllm_gemma_qat import LOAD_FORMAT, substitute
+from vllm_gemma_qat.substitute import Substitution
+
 TARGET_MODULE = "tpu_inference.models.jax.gemma4"
+CT_MODULE = "tpu_inference.layers.jax.quantization.compressed_tensors"
 
 # Under the "vllm" logger so the lines show in vLLM's own log output.
 logger = init_logger(f"vllm.{__name__}")
@@ -111,27 +115,37 @@ def tpu_inference_version() -> str:
 
 
 def apply(gemma4) -> None:
-    if getattr(gemma4, "_vllm_gemma_qat_patched", False):
-        return
-    gemma4._vllm_gemma_qat_patched = True
     reason = unsupported_structure(gemma4)
-    _wrap_model_init(gemma4.Gemma4Model, reason)
-    if reason is None:
-        _wrap_attention_init(gemma4.Gemma4Attention, gemma4)
-        _wrap_ct_quant_method()
+    substitute.apply(substitutions(reason), "vllm-gemma-qat (--load-format "
+                     f"{LOAD_FORMAT} only)")
 
 
-def _wrap_ct_quant_method() -> None:
-    try:
-        from tpu_inference.layers.jax.linear import \
-            JaxMergedColumnParallelLinear
-        from tpu_inference.layers.jax.quantization.compressed_tensors import \
-            CompressedTensorsConfig as cls
-        from tpu_inference.layers.jax.quantization.unquantized import (
-            UnquantizedConfig, UnquantizedLinearMethod)
-    except ImportError:  # releases without the JAX compressed-tensors path
-        return
-    get_quant_method = cls.get_quant_method
+def substitutions(unsupported: str | None) -> list[Substitution]:
+    """What the patch changes in the installed tpu-inference. On a Gemma 4
+    it cannot patch, only the guard that refuses gemma_qat."""
+    table = [Substitution(
+        f"{TARGET_MODULE}:Gemma4Model.__init__",
+        functools.partial(_guarded_model_init, unsupported=unsupported),
+        "refuse gemma_qat on an unsupported tpu-inference; mark the build as "
+        "gemma_qat's for the substitutions below", wraps=True)]
+    if unsupported:
+        return table
+    table.append(Substitution(
+        f"{TARGET_MODULE}:Gemma4Attention.__init__", _kv_free_shared_layers,
+        "#3225: KV-shared layers get no k_proj / v_proj / k_norm", wraps=True))
+    if importlib.util.find_spec(CT_MODULE) is not None:  # JAX CT path exists
+        table.append(Substitution(
+            f"{CT_MODULE}:CompressedTensorsConfig.get_quant_method",
+            _merged_method_for_ignored_gate_up,
+            "an ignored fused gate_up_proj gets the merged unquantized method "
+            "(the plain one cannot load gate_proj / up_proj)", wraps=True))
+    return table
+
+
+def _merged_method_for_ignored_gate_up(get_quant_method):
+    from tpu_inference.layers.jax.linear import JaxMergedColumnParallelLinear
+    from tpu_inference.layers.jax.quantization.unquantized import (
+        UnquantizedConfig, UnquantizedLinearMethod)
 
     @functools.wraps(get_quant_method)
     def wrapped(self, layer, prefix):
@@ -142,11 +156,10 @@ def _wrap_ct_quant_method() -> None:
             return UnquantizedConfig({}).get_quant_method(layer, prefix)
         return method
 
-    cls.get_quant_method = wrapped
+    return wrapped
 
 
-def _wrap_model_init(cls, unsupported: str | None) -> None:
-    init = cls.__init__
+def _guarded_model_init(init, unsupported: str | None):
 
     @functools.wraps(init)
     def __init__(self, vllm_config, *args, **kwargs):
@@ -162,12 +175,10 @@ def _wrap_model_init(cls, unsupported: str | None) -> None:
         finally:
             _building_for_gemma_qat.reset(token)
 
-    cls.__init__ = __init__
+    return __init__
 
 
-def _wrap_attention_init(cls, gemma4) -> None:
-    init = cls.__init__
-    no_kv_projection = _no_kv_projection_class(gemma4.JaxModule)
+def _kv_free_shared_layers(init):
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
@@ -178,11 +189,13 @@ def _wrap_attention_init(cls, gemma4) -> None:
             logger.info("tpu-inference already builds no K/V for KV-shared "
                         "layers; vllm-gemma-qat leaves Gemma4Attention as is")
             return
-        self.k_proj = no_kv_projection(self.num_kv_heads, self.head_dim)
+        gemma4 = sys.modules[TARGET_MODULE]
+        self.k_proj = _no_kv_projection_class(gemma4.JaxModule)(
+            self.num_kv_heads, self.head_dim)
         self.v_proj = None  # __call__ then reuses the k operand as v
         self.k_norm = None
 
-    cls.__init__ = __init__
+    return __init__
 
 
 @functools.cache

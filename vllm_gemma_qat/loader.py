@@ -33,16 +33,30 @@ class GemmaQatModelLoader(BaseModelLoader):
         report = geometry.check(ckpt)
         report.raise_if_invalid(path)
 
-        plan = weights.LoadPlan(report, _int4_from_bf16(model_config, report))
-        loaded = model.load_weights(plan.stream(ckpt))
-        plan.verify(model, loaded, ckpt)
-        logger.info("gemma_qat: loaded %d tensors from %s; %s", plan.handed_over,
-                    path, plan.skip_summary())
-        if plan.int4_modules:
+        feed = weights.WeightFeed(report,
+                                  _int4_from_bf16(model_config, report))
+        loaded = model.load_weights(feed.tensors(ckpt))
+        feed.verify(model, loaded, ckpt)
+        logger.info("gemma_qat: loaded %d tensors from %s; %s", feed.handed_over,
+                    path, feed.skip_summary())
+        if feed.int4_modules:
             logger.info("gemma_qat: %d q4_0 bf16 linears recovered exactly and "
-                        "served as wNa16 int4", len(plan.int4_modules))
+                        "served as wNa16 int4", len(feed.int4_modules))
         logger.info("gemma_qat: model weights by dtype: %s",
                     weights.describe_bytes(weights.param_bytes_by_dtype(model)))
+        kv_share_map = report.geometry.kv_share_map
+        if kv_share_map:
+            layers = sorted(kv_share_map)
+            owned = weights.shared_layer_kv_params(model, kv_share_map)
+            logger.info("gemma_qat: KV-shared layers %d-%d own %d K/V "
+                        "parameters", layers[0], layers[-1], len(owned))
+        shards = weights.sharding_summary(model)
+        if shards["devices"] > 1:
+            logger.info(
+                "gemma_qat: weights on %d devices: split %d bytes, %d per "
+                "device; replicated %d bytes", shards["devices"],
+                shards["split"], shards["split_per_device"],
+                shards["replicated"])
 
 
 def _int4_from_bf16(model_config, report) -> set[str]:

@@ -2,42 +2,39 @@
 around `model.load_weights`."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import ml_dtypes  # also registers bfloat16 / int4 with numpy
 import numpy as np
 
-from vllm_gemma_qat.checkpoint import Checkpoint, CheckpointError
-from vllm_gemma_qat.geometry import (PACKED_SUFFIXES, Report,
-                                     is_shared_kv_tensor)
+from vllm_gemma_qat.checkpoint import Checkpoint, CheckpointError, numel
+from vllm_gemma_qat.geometry import CheckpointReport
+from vllm_gemma_qat.quantization import PACKED_SUFFIXES
 
-
-def sanitize(names, kv_share_map: dict[int, int]) -> tuple[set, list]:
-    """Split checkpoint tensor names into (to load, to skip). Regular exports
-    ship k_proj/v_proj/k_norm for KV-shared layers, which never read them."""
-    keep, skip = set(), []
-    for name in names:
-        if is_shared_kv_tensor(name, kv_share_map):
-            skip.append(name)
-        else:
-            keep.add(name)
-    return keep, sorted(skip)
+_PARAM_LAYER_KV = re.compile(r"layers\.(\d+)\.self_attn\.(?:k_proj|v_proj|k_norm)\.")
 
 
 @dataclass
-class LoadPlan:
-    report: Report
+class WeightFeed:
+    """What `model.load_weights` is fed from a checked checkpoint, and the
+    accounting that every tensor and every parameter was used."""
+    report: CheckpointReport
     # Modules stored as bf16 on the q4_0 grid that the model holds as wNa16
     # int4: their weight is handed over packed (see vllm_gemma_qat.int4).
     int4_modules: set[str] = field(default_factory=set)
-    skipped: list[str] = field(default_factory=list)
     handed_over: int = 0
 
-    def stream(self, ckpt: Checkpoint):
-        keep, self.skipped = sanitize(ckpt.tensors,
-                                      self.report.geometry.kv_share_map)
-        for name, tensor in stream_tensors(ckpt, keep.__contains__):
+    @property
+    def skipped(self) -> list[str]:
+        """Regular exports ship k_proj / v_proj / k_norm for KV-shared
+        layers, which never read them."""
+        return self.report.skipped
+
+    def tensors(self, ckpt: Checkpoint):
+        skip = set(self.skipped)
+        for name, tensor in stream_tensors(ckpt, lambda n: n not in skip):
             self.handed_over += 1
             module = name.removesuffix(".weight")
             if module in self.int4_modules:
@@ -112,16 +109,52 @@ def packed_int4(module: str, weight) -> Iterator[tuple[str, object]]:
     yield f"{module}.weight_shape", torch.tensor(list(weight.shape))
 
 
+def _param_values(model):
+    for name, param in model.named_parameters():
+        yield name, param.get_value() if hasattr(param, "get_value") else param
+
+
+def _nbytes(shape, dtype) -> int:
+    name = str(dtype).removeprefix("torch.")
+    bits = 4 if name in ("int4", "uint4") else np.dtype(name).itemsize * 8
+    return numel(shape) * bits // 8
+
+
 def param_bytes_by_dtype(model) -> dict[str, int]:
     """Bytes the model's parameters take on device, by dtype (int4: half a
     byte per value)."""
     out: dict[str, int] = {}
-    for _, param in model.named_parameters():
-        value = param.get_value() if hasattr(param, "get_value") else param
+    for _, value in _param_values(model):
         name = str(value.dtype).removeprefix("torch.")
-        bits = 4 if name in ("int4", "uint4") else np.dtype(name).itemsize * 8
-        out[name] = out.get(name, 0) + int(np.prod(value.shape)) * bits // 8
+        out[name] = out.get(name, 0) + _nbytes(value.shape, value.dtype)
     return out
+
+
+def sharding_summary(model) -> dict[str, int]:
+    """How the parameters lie on the devices: bytes of those split across
+    devices (in all, and on the first device) and of those held whole."""
+    out = {"devices": 1, "split": 0, "split_per_device": 0, "replicated": 0}
+    devices = set()
+    for _, value in _param_values(model):
+        nbytes = _nbytes(value.shape, value.dtype)
+        shards = getattr(value, "addressable_shards", None) or []
+        devices.update(shard.device for shard in shards)
+        first = _nbytes(shards[0].data.shape, value.dtype) if shards else nbytes
+        if first < nbytes:
+            out["split"] += nbytes
+            out["split_per_device"] += first
+        else:
+            out["replicated"] += nbytes
+    out["devices"] = max(1, len(devices))
+    return out
+
+
+def shared_layer_kv_params(model, kv_share_map: dict[int, int]) -> list[str]:
+    """Parameters of k_proj / v_proj / k_norm on KV-shared layers (none when
+    the #3225 fix is in place)."""
+    return [name for name, _ in model.named_parameters()
+            if (m := _PARAM_LAYER_KV.search(name))
+            and int(m.group(1)) in kv_share_map]
 
 
 def describe_bytes(by_dtype: dict[str, int]) -> str:

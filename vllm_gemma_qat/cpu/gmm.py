@@ -7,8 +7,6 @@ row group g (shifted by `group_offset`) multiplies `rhs[g]` block by block
 along k, each block's product scaled by `rhs_scale[g, block, 0, :]`, summed
 in fp32; rows outside the local groups give zeros.
 """
-import contextlib
-
 import jax.numpy as jnp
 
 
@@ -36,21 +34,3 @@ def gmm(lhs, rhs, group_sizes, rhs_scale=None, rhs_bias=None,
             acc = acc + rhs_bias[g].astype(jnp.float32)
         out = jnp.where((row_group == g)[:, None], acc, out)
     return out.astype(preferred_element_type or lhs.dtype)
-
-
-def install() -> None:
-    """Route tpu-inference's quantized matmul through `gmm`."""
-    from tpu_inference.layers.common import linear
-    linear.gmm_v2 = gmm
-
-
-@contextlib.contextmanager
-def installed():
-    """`install()` for the duration of a block (tests)."""
-    from tpu_inference.layers.common import linear
-    saved = linear.gmm_v2
-    install()
-    try:
-        yield
-    finally:
-        linear.gmm_v2 = saved

@@ -11,15 +11,17 @@ import json
 from pathlib import Path
 
 # Two sharing geometries, scaled down. head_dim is a multiple of 128 because
-# tpu-inference pads other head sizes (and then logits no longer line up).
+# tpu-inference pads other head sizes (and then logits no longer line up);
+# 8 query heads as the real models have, so tensor parallelism up to 8 splits
+# them (the vision tower's heads too).
 GEOMETRIES = {
     # E2B: (4 sliding + 1 full) blocks, 1 KV head, double-wide MLP on shared layers.
     "e2b": dict(num_hidden_layers=10, num_kv_shared_layers=5, block=(4, 1),
-                num_attention_heads=2, num_key_value_heads=1,
+                num_attention_heads=8, num_key_value_heads=1,
                 use_double_wide_mlp=True),
     # E4B: (5 sliding + 1 full) blocks, 2 KV heads, no double-wide MLP.
     "e4b": dict(num_hidden_layers=12, num_kv_shared_layers=6, block=(5, 1),
-                num_attention_heads=4, num_key_value_heads=2,
+                num_attention_heads=8, num_key_value_heads=2,
                 use_double_wide_mlp=False),
 }
 SLIDING_WINDOW = 8
@@ -62,8 +64,8 @@ def build_config(geometry: str = "e2b", multimodal: bool = True):
         text.architectures = ["Gemma4ForCausalLM"]
         return text
     vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64,
-                                num_hidden_layers=1, num_attention_heads=2,
-                                num_key_value_heads=2, head_dim=16,
+                                num_hidden_layers=1, num_attention_heads=8,
+                                num_key_value_heads=8, head_dim=16,
                                 position_embedding_size=10240,
                                 default_output_length=16)
     config = Gemma4Config(text_config=text.to_dict(),

@@ -5,7 +5,7 @@ Gemma 4 E2B-like QAT checkpoint (no shared-layer K/V: what tpu-inference
 send a chat request to the OpenAI endpoint, print the answer, check its
 tokens against transformers, stop the server.
 
-    python -m vllm_gemma_qat.demo [--dir DIR] [--max-tokens N] [--int4 FORM]
+    python -m vllm_gemma_qat.testing.demo [--dir DIR] [--max-tokens N] [--int4 FORM]
 
 `--int4 w4a16` serves a compressed-tensors pack-quantized int4 export,
 `--int4 q4_0` a bf16 q4_0-grid export made int4 exactly by
@@ -19,14 +19,11 @@ import os
 import tempfile
 from pathlib import Path
 
-CPU_ENV = {"JAX_PLATFORMS": "cpu", "TPU_NAME": "cpu-ci",
-           "TPU_ACCELERATOR_TYPE": "v6e-1", "TPU_WORKER_ID": "0",
-           "HF_HUB_OFFLINE": "1"}
+from vllm_gemma_qat.cpu.env import set_defaults
 
 
 def main(argv=None) -> int:
-    for key, value in CPU_ENV.items():
-        os.environ.setdefault(key, value)
+    set_defaults(os.environ)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", help="where to write the model and the "
                         "server log (default: a temporary directory)")
@@ -37,8 +34,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from vllm_gemma_qat import quantization, tiny
-    from vllm_gemma_qat.cpu_server import CpuServer
+    from vllm_gemma_qat import quantization
+    from vllm_gemma_qat.cpu.server import CpuServer
+    from vllm_gemma_qat.testing import tiny
     root = Path(args.dir or tempfile.mkdtemp(prefix="vllm-gemma-qat-demo-"))
     model_dir = root / f"gemma4-tiny-qat{'-' + args.int4 if args.int4 else ''}"
     extra = []

@@ -9,9 +9,8 @@ import struct
 from pathlib import Path
 
 from vllm_gemma_qat import quantization
+from vllm_gemma_qat.checkpoint import DTYPE_BYTES, numel
 from vllm_gemma_qat.geometry import Geometry
-
-_DTYPE_BYTES = {"BF16": 2, "I32": 4, "I64": 8, "F32": 4}
 
 
 def _text_config(hidden, intermediate, layers, shared, kv_heads, block,
@@ -80,9 +79,10 @@ def checkpoint_tensors(name: str, layout: str) -> dict[str, tuple[str, tuple]]:
 
 
 def write_header_only(path: str | Path, name: str = "e2b", layout: str = "qat",
-                      shards: int = 2, exclude=()) -> Path:
+                      shards: int = 2, exclude=(), extra=None) -> Path:
     """A checkpoint directory whose shards hold real headers and sparse data
-    (`exclude`: tensor names to leave out)."""
+    (`exclude`: tensor names to leave out; `extra`: {name: (dtype, shape)}
+    to add)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = json.loads(json.dumps(CONFIGS[name]))
@@ -90,8 +90,8 @@ def write_header_only(path: str | Path, name: str = "e2b", layout: str = "qat",
         config["quantization_config"] = \
             quantization.w4a16_quantization_config()
     (path / "config.json").write_text(json.dumps(config, indent=1))
-    tensors = sorted((k, v) for k, v in checkpoint_tensors(name, layout).items()
-                     if k not in exclude)
+    tensors = checkpoint_tensors(name, layout) | (extra or {})
+    tensors = sorted((k, v) for k, v in tensors.items() if k not in exclude)
     per_shard = -(-len(tensors) // shards)
     weight_map = {}
     for s in range(shards):
@@ -99,9 +99,7 @@ def write_header_only(path: str | Path, name: str = "e2b", layout: str = "qat",
         chunk = tensors[s * per_shard:(s + 1) * per_shard]
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for tensor, (dtype, shape) in chunk:
-            size = _DTYPE_BYTES[dtype]
-            for d in shape:
-                size *= d
+            size = DTYPE_BYTES[dtype] * numel(shape)
             header[tensor] = {"dtype": dtype, "shape": list(shape),
                               "data_offsets": [offset, offset + size]}
             offset += size

@@ -12,7 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_gemma_qat.cpu_mode import CPU_MODE_ENV
+from vllm_gemma_qat import LOAD_FORMAT
+from vllm_gemma_qat.cpu import CPU_MODE_ENV
 
 
 def free_port() -> int:
@@ -26,19 +27,27 @@ class CpuServer:
     plugin reaches every vLLM process through its entry point."""
 
     def __init__(self, model: str | Path, *extra_args: str, log: Path,
-                 port: int | None = None, startup_timeout: float = 600):
+                 port: int | None = None, startup_timeout: float = 600,
+                 devices: int = 1):
         self.model, self.log = str(model), Path(log)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = ["--load-format", "gemma_qat", "--host", "127.0.0.1",
+        self.args = ["--load-format", LOAD_FORMAT, "--host", "127.0.0.1",
                      "--port", str(self.port), "--dtype", "float32",
                      "--max-model-len", "256", "--max-num-seqs", "8",
                      *extra_args]
         self.startup_timeout = startup_timeout
+        self.devices = devices  # CPU devices JAX offers (for TP / DP > 1)
         self.process = None
 
     def __enter__(self) -> "CpuServer":
         env = dict(os.environ, **{CPU_MODE_ENV: "1", "JAX_PLATFORMS": "cpu"})
+        # tpu-inference compiles every padding bucket at start-up (~35 s on
+        # CPU for nothing a test uses); shapes are compiled when first used.
+        env.setdefault("SKIP_JAX_PRECOMPILE", "1")
+        if self.devices > 1:
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_"
+                                f"platform_device_count={self.devices}").strip()
         command = [str(Path(sys.executable).with_name("vllm")), "serve",
                    self.model, *self.args]
         self._log_file = open(self.log, "w")
@@ -61,7 +70,9 @@ class CpuServer:
 
     def __exit__(self, *exc) -> None:
         if self.process and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            # As `kill <pid>` would: the API server then stops its engine
+            # (signalling the whole group races that shutdown).
+            self.process.terminate()
             try:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:

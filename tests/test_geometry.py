@@ -1,0 +1,144 @@
+"""geometry.py in-process on header-only checkpoints with the real E2B / E4B
+shapes: what gemma_qat loads, what it skips, and the one error each bad
+checkpoint gets before any tensor is read."""
+import json
+
+import pytest
+
+from vllm_gemma_qat import geometry
+from vllm_gemma_qat.checkpoint import CheckpointError, open_checkpoint
+from vllm_gemma_qat.testing import synthetic
+
+LM = "model.language_model."
+
+
+def check(path):
+    return geometry.check(open_checkpoint(path))
+
+
+def edit_config(path, edit):
+    file = path / "config.json"
+    config = json.loads(file.read_text())
+    edit(config)
+    file.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("name,layers,shared,share_map_tail", [
+    ("e2b", 35, 20, {15: 13, 19: 14, 34: 14}),
+    ("e4b", 42, 18, {24: 22, 29: 23, 41: 23}),
+])
+def test_kv_share_map_from_tpu_inference(name, layers, shared, share_map_tail):
+    geo = geometry.Geometry.from_text_config(
+        synthetic.CONFIGS[name]["text_config"])
+    assert (geo.num_layers, geo.num_kv_shared_layers) == (layers, shared)
+    assert share_map_tail.items() <= geo.kv_share_map.items()
+
+
+@pytest.mark.parametrize("layout,kind,skipped", [
+    ("regular", "regular-bf16", 60), ("qat", "qat-bf16", 0),
+    ("w4a16", "qat-w4a16-ct", 0)])
+def test_layouts_load_and_skip_exactly_the_shared_kv(tmp_path, layout, kind,
+                                                     skipped):
+    report = check(synthetic.write_header_only(tmp_path, "e2b", layout))
+    assert report.errors() == [] and report.loads_with_gemma_qat
+    assert report.export_kind == kind
+    assert len(report.skipped) == skipped
+    assert all(geometry.is_shared_kv_tensor(n, report.geometry.kv_share_map)
+               for n in report.skipped)
+    assert report.loads_with_auto == (layout == "regular")
+
+
+def test_shared_layers_expect_no_kv_and_towers_are_left_alone():
+    geo = geometry.Geometry.from_text_config(
+        synthetic.CONFIGS["e2b"]["text_config"])
+    expected = geo.expected(LM)
+    assert f"{LM}layers.14.self_attn.k_proj.weight" in expected
+    assert not any(f"{LM}layers.{i}.self_attn.{p}" in n for n in expected
+                   for i in geo.kv_share_map for p in ("k_proj", "v_proj",
+                                                       "k_norm"))
+    tower_k = "model.vision_tower.encoder.layers.20.self_attn.k_proj.weight"
+    assert not geometry.is_shared_kv_tensor(tower_k, geo.kv_share_map)
+    assert not geometry.is_language_model_tensor(tower_k, LM)
+
+
+def test_linear_modules_are_the_2d_weights_minus_embeddings():
+    geo = geometry.Geometry.from_text_config(
+        synthetic.CONFIGS["e2b"]["text_config"])
+    linears = geo.linear_modules(LM)
+    assert f"{LM}per_layer_model_projection" in linears
+    assert f"{LM}embed_tokens" not in linears
+    assert f"{LM}embed_tokens_per_layer" not in linears
+    # q, o, gate, up, down, per-layer gate / projection on 35 layers, k and v
+    # on the 15 non-shared ones, and the model-level projection.
+    assert len(linears) == 7 * 35 + 2 * 15 + 1
+
+
+def test_not_gemma4(tmp_path):
+    path = synthetic.write_header_only(tmp_path, "e2b", "qat")
+    edit_config(path, lambda c: c.update(architectures=["Qwen3ForCausalLM"],
+                                         model_type="qwen3"))
+    with pytest.raises(CheckpointError, match=r"Qwen3ForCausalLM.*not Gemma 4"):
+        check(path)
+
+
+def test_missing_tensor_names_it_and_its_shape(tmp_path):
+    name = f"{LM}layers.3.mlp.down_proj.weight"
+    report = check(synthetic.write_header_only(tmp_path, "e2b", "qat",
+                                               exclude={name}))
+    assert report.errors() == [f"missing tensor {name} (expected shape "
+                               "[1536, 6144])"]
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}: missing tensor "):
+        report.raise_if_invalid(tmp_path)
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(tmp_path):
+    path = synthetic.write_header_only(tmp_path, "e2b", "qat", shards=1)
+    shard = next(path.glob("*.safetensors"))
+    raw = shard.read_bytes()
+    name = f"{LM}layers.2.self_attn.q_proj.weight"
+    start = raw.index(f'"{name}"'.encode())
+    end = raw.index(b"]", raw.index(b'"shape"', start))
+    old = raw[start:end + 1]
+    new = old.replace(b"[2048, 1536]", b"[1536, 2048]")
+    assert new != old
+    shard.write_bytes(raw.replace(old, new))
+    report = check(path)
+    assert report.errors() == [f"tensor {name} has shape [1536, 2048], "
+                               "expected [2048, 1536]"]
+
+
+def test_unexpected_tensor(tmp_path):
+    stray = f"{LM}layers.3.mlp.extra.weight"
+    report = check(synthetic.write_header_only(
+        tmp_path, "e2b", "qat", extra={stray: ("BF16", (4, 4))}))
+    assert report.errors() == [f"unexpected tensor {stray}"]
+
+
+def test_num_kv_shared_layers_disagreeing_with_tensors(tmp_path):
+    path = synthetic.write_header_only(tmp_path, "e2b", "qat")
+    edit_config(path, lambda c: c["text_config"].update(num_kv_shared_layers=19))
+    with pytest.raises(CheckpointError, match=r"num_kv_shared_layers=19, but "
+                       r"the checkpoint has K/V projections for 15 of 35 "
+                       r"layers \(i\.e\. 20 shared\)"):
+        check(path).raise_if_invalid(path)
+
+
+def test_layer_types_length_must_match(tmp_path):
+    path = synthetic.write_header_only(tmp_path, "e2b", "qat")
+    edit_config(path, lambda c: c["text_config"].update(
+        layer_types=c["text_config"]["layer_types"][:-1]))
+    with pytest.raises(CheckpointError, match="layer_types has 34 entries, "
+                       "num_hidden_layers is 35"):
+        check(path)
+
+
+def test_packed_module_incomplete_or_also_bf16(tmp_path):
+    module = f"{LM}layers.0.mlp.down_proj"
+    report = check(synthetic.write_header_only(
+        tmp_path, "e2b", "w4a16", exclude={f"{module}.weight_scale"}))
+    assert f"missing tensor {module}.weight_scale" in report.errors()[0]
+    report = check(synthetic.write_header_only(
+        tmp_path / "x", "e2b", "w4a16",
+        extra={f"{module}.weight": ("BF16", (1536, 6144))}))
+    assert report.errors() == [f"unexpected tensor {module}.weight (the module "
+                               "is also pack-quantized)"]

@@ -1,0 +1,164 @@
+"""Opt-in CPU mode: `vllm serve` through tpu-inference's runner and JAX model
+on JAX's CPU backend, for tests and demos on machines without a TPU.
+
+Active only with VLLM_GEMMA_QAT_CPU_MODE=1 (and JAX_PLATFORMS=cpu, on a
+machine with no TPU device). It substitutes only what is TPU-only, each entry
+of `substitutions()` in this order:
+
+- `compiler_options.get_step_fn_compiler_options` / `get_sampling_compiler_
+  options`, and the modules that import them by name (`model_loader`,
+  `decode_loop`, `sampling`): no TPU-only XLA compiler options.
+- `attention_interface.ragged_paged_attention`: the Pallas kernel, by
+  `attention.ragged_paged_attention` (pure JAX, same cache layout and
+  semantics, per device: tpu-inference's own shard_map runs around it).
+- `linear.gmm_v2`: tokamax's int4 matmul kernel, by `gmm.gmm`.
+- `tpu_runner.make_optimized_mesh`: a mesh from CPU devices (the original
+  sorts devices by TPU coordinates).
+- `utils.general_device_put`: copies host arrays first (the CPU backend may
+  alias a numpy buffer the runner refills while the last step still runs).
+- `utils.get_device_hbm_limit`: a device-memory size for the CPU
+  (VLLM_GEMMA_QAT_CPU_MEMORY_GIB, default 0.1), which the original looks up
+  by TPU kind.
+
+The list is logged when CPU mode starts; a target missing from the installed
+tpu-inference stops it with `substitute.MissingTarget`.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+
+# vLLM, JAX and tpu-inference are imported lazily below: `register` runs in
+# every vLLM process, and `vllm_gemma_qat.cpu.env` must be importable first.
+
+CPU_MODE_ENV = "VLLM_GEMMA_QAT_CPU_MODE"
+CPU_MEMORY_ENV = "VLLM_GEMMA_QAT_CPU_MEMORY_GIB"  # the "HBM" the CPU offers
+# Device nodes of a TPU VM (v4: accel, v5e/v6e: vfio).
+TPU_DEVICE_GLOBS = ("accel[0-9]*", "vfio/[0-9]*")
+
+
+def requested() -> bool:
+    return os.environ.get(CPU_MODE_ENV, "") == "1"
+
+
+def register() -> None:
+    """`vllm.general_plugins` entry point: CPU mode when requested."""
+    if requested():
+        enable()
+
+
+def enable() -> None:
+    from vllm_gemma_qat import substitute
+    refuse_on_tpu()
+    # A warning: CPU mode must be visible wherever it is on (and vLLM's
+    # API server loads plugins before it configures its INFO logging).
+    substitute.apply(kernel_substitutions() + runtime_substitutions(),
+                     f"vllm-gemma-qat CPU mode ({CPU_MODE_ENV}=1, tests and "
+                     "demos only)", level=logging.WARNING)
+
+
+@contextlib.contextmanager
+def kernels():
+    """The kernel stand-ins for the duration of a block: enough to run the
+    model in-process (tests, benchmarks; see `testing.runner`)."""
+    from vllm_gemma_qat import substitute
+    refuse_on_tpu()
+    with substitute.applied(kernel_substitutions(),
+                            "vllm-gemma-qat CPU kernels"):
+        yield
+
+
+def kernel_substitutions() -> list:
+    """The TPU-only kernels, by pure-JAX equivalents."""
+    from vllm_gemma_qat.substitute import Substitution
+    from vllm_gemma_qat.cpu.attention import ragged_paged_attention
+    from vllm_gemma_qat.cpu.gmm import gmm
+    return [
+        Substitution("tpu_inference.layers.common.attention_interface:"
+                     "ragged_paged_attention", ragged_paged_attention,
+                     "the Pallas ragged paged attention kernel is TPU-only"),
+        Substitution("tpu_inference.layers.common.linear:gmm_v2", gmm,
+                     "tokamax's int4 (wNa16) matmul kernel is TPU-only"),
+    ]
+
+
+def runtime_substitutions() -> list:
+    """What tpu-inference's runner needs besides the kernels."""
+    from vllm_gemma_qat.substitute import Substitution
+    no_options = "TPU-only XLA compiler options"
+    table = [
+        # First: sampling builds a jit with these options when imported.
+        Substitution("tpu_inference.models.common.compiler_options:"
+                     f"{name}", dict, no_options)
+        for name in ("get_step_fn_compiler_options",
+                     "get_sampling_compiler_options")]
+    table += [
+        Substitution(f"{module}:{name}", dict, no_options + " (imported by "
+                     "name)")
+        for module, name in (
+            ("tpu_inference.models.common.model_loader",
+             "get_step_fn_compiler_options"),
+            ("tpu_inference.runner.decode_loop", "get_step_fn_compiler_options"),
+            ("tpu_inference.runner.decode_loop",
+             "get_sampling_compiler_options"),
+            ("tpu_inference.layers.jax.sample.sampling",
+             "get_sampling_compiler_options"))]
+    budget = int(float(os.environ.get(CPU_MEMORY_ENV, "0.1")) * 2**30)
+    return table + [
+        Substitution("tpu_inference.runner.tpu_runner:make_optimized_mesh",
+                     cpu_mesh, "the original sorts devices by TPU coordinates"),
+        Substitution("tpu_inference.utils:general_device_put", copying,
+                     "the CPU backend may alias a host buffer the runner "
+                     "refills while the last step still runs", wraps=True),
+        Substitution("tpu_inference.utils:get_device_hbm_limit",
+                     lambda: budget, f"CPU devices have no HBM size "
+                     f"({CPU_MEMORY_ENV}: {budget / 2**30:g} GiB)"),
+    ]
+
+
+def cpu_mesh(axis_shapes, axis_names, *, devices=None):
+    """`make_optimized_mesh` for CPU devices, which have no TPU coords."""
+    import jax
+    import numpy as np
+    devices = list(devices if devices is not None else jax.devices())
+    n = int(np.prod(axis_shapes))
+    return jax.sharding.Mesh(np.array(devices[:n]).reshape(axis_shapes),
+                             tuple(axis_names))
+
+
+def copying(device_put):
+    """`device_put` that copies numpy inputs first."""
+
+    def put(tensor, *args, **kwargs):
+        import jax
+        import numpy as np
+        tensor = jax.tree_util.tree_map(
+            lambda t: np.array(t, copy=True) if isinstance(t, np.ndarray) else t,
+            tensor)
+        return device_put(tensor, *args, **kwargs)
+
+    return put
+
+
+def tpu_evidence(environ=os.environ, dev: str = "/dev") -> str | None:
+    """Why this looks like a machine where CPU mode must not run, or None.
+    Decided without initialising a JAX backend (unsafe in vLLM's API server
+    before it starts the engine)."""
+    platforms = environ.get("JAX_PLATFORMS", "")
+    if platforms != "cpu":
+        return f"JAX_PLATFORMS is {platforms!r}, not 'cpu'"
+    for pattern in TPU_DEVICE_GLOBS:
+        found = sorted(glob.glob(os.path.join(dev, pattern)))
+        if found:
+            return f"{found[0]} exists (a TPU device)"
+    return None
+
+
+def refuse_on_tpu() -> None:
+    reason = tpu_evidence()
+    if reason:
+        raise RuntimeError(f"vllm-gemma-qat CPU mode refuses to start: "
+                           f"{reason}. It must never be active on a TPU; "
+                           f"unset {CPU_MODE_ENV}.")

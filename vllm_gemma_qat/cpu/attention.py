@@ -1,0 +1,76 @@
+"""Pure-JAX stand-in for tpu-inference's Pallas ragged paged attention."""
+from __future__ import annotations
+
+
+def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices,
+                           cu_q_lens, distribution, *, sm_scale=1.0,
+                           sliding_window=None, soft_cap=None, q_scale=None,
+                           k_scale=None, v_scale=None, update_kv_cache=True,
+                           use_causal_mask=True, **kernel_tuning):
+    """Drop-in for the v3 kernel `ragged_paged_attention` on one device's
+    shard: tpu-inference's `sharded_ragged_paged_attention` keeps its own
+    shard_map, partition specs and KV-head replication (KV heads < TP)
+    around it. Returns (output (T, N, H), updated kv_cache)."""
+    import jax
+    import jax.numpy as jnp
+    from tpu_inference.kernels.ragged_paged_attention.v3.kernel import merge_kv
+
+    if q_scale is not None:
+        raise NotImplementedError("CPU ragged paged attention: q_scale")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    num_pages, page_size = kv_cache.shape[:2]
+    padded_head_dim = kv_cache.shape[-1]
+    max_num_seqs = kv_lens.shape[0]
+    pages_per_seq = page_indices.shape[0] // max_num_seqs
+    num_seqs = distribution[-1]
+
+    # Which sequence each query token belongs to, and its absolute position.
+    # Only the first num_seqs entries of cu_q_lens / kv_lens are meaningful
+    # (the runner's persistent buffers keep stale values past them).
+    t = jnp.arange(num_tokens)
+    live = jnp.arange(max_num_seqs) < num_seqs
+    seq = jnp.minimum(
+        ((t[:, None] >= cu_q_lens[None, 1:]) & live[None, :]).sum(axis=1),
+        max_num_seqs - 1)
+    valid = t < cu_q_lens[num_seqs]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
+
+    # Cache rows: [slot, kv_head * 2 (+pad), head_dim]; k at even, v at odd.
+    slots = kv_cache.reshape(num_pages * page_size, -1, padded_head_dim)
+    if update_kv_cache:
+        new = merge_kv(k, v).reshape(num_tokens, -1, padded_head_dim)
+        page = page_indices[seq * pages_per_seq + pos // page_size]
+        slot = jnp.where(valid, page * page_size + pos % page_size,
+                         num_pages * page_size)  # out of range: dropped
+        slots = slots.at[slot].set(new.astype(slots.dtype), mode="drop")
+
+    ctx = jnp.arange(pages_per_seq * page_size)
+    ctx_pages = page_indices[seq[:, None] * pages_per_seq + ctx // page_size]
+    kv = slots[ctx_pages * page_size + ctx % page_size]  # [T, C, 2K', H']
+    # fp32 math: XLA:CPU has no bf16 x bf16 -> f32 dot.
+    keys = kv[:, :, 0:2 * num_kv_heads:2, :head_dim].astype(jnp.float32)
+    values = kv[:, :, 1:2 * num_kv_heads:2, :head_dim].astype(jnp.float32)
+
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("tkgh,tckh->tkgc", qg.astype(jnp.float32), keys,
+                        preferred_element_type=jnp.float32) * sm_scale
+    if k_scale is not None:
+        scores = scores * k_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    mask = (ctx[None, :] < kv_lens[seq][:, None]) & valid[:, None]
+    if use_causal_mask:
+        mask &= ctx[None, :] <= pos[:, None]
+        if sliding_window is not None:
+            mask &= pos[:, None] - ctx[None, :] < sliding_window
+    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask[:, None, None, :], probs, 0.0)
+    out = jnp.einsum("tkgc,tckh->tkgh", probs, values)
+    if v_scale is not None:
+        out = out * v_scale
+    out = out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    return out, slots.reshape(kv_cache.shape)

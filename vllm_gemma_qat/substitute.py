@@ -1,0 +1,106 @@
+"""Runtime substitutions into vLLM / tpu-inference, declared as tables.
+
+Each `Substitution` names its target as "module:attribute.path", the
+replacement and why it is needed. `apply` resolves every target first and
+raises `MissingTarget` naming the first one that is not there (a rename in a
+new release must not silently add an unused attribute), then replaces them
+all and logs the list. Applying a table twice changes nothing more.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from vllm.logger import init_logger
+
+# Under the "vllm" logger so the lines show in vLLM's own log output.
+logger = init_logger(f"vllm.{__name__}")
+
+_MARK = "__vllm_gemma_qat_substitute__"
+
+
+class MissingTarget(RuntimeError):
+    """A declared substitution target does not exist in what is installed."""
+
+
+@dataclass(frozen=True)
+class Substitution:
+    target: str  # "package.module:Name" or "package.module:Class.method"
+    replacement: Any
+    why: str
+    # When True, `replacement` is called with the original and returns the
+    # object to install (a wrapper); otherwise it is installed as it is.
+    wraps: bool = False
+
+    def resolve(self) -> tuple[Any, str]:
+        """(owner, attribute name); raises MissingTarget."""
+        module_name, _, path = self.target.partition(":")
+        try:
+            owner = importlib.import_module(module_name)
+        except ImportError as e:
+            raise MissingTarget(f"{self.target}: cannot import {module_name} "
+                                f"({e})") from None
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent, None)
+            if owner is None:
+                break
+        if owner is None or not hasattr(owner, name):
+            raise MissingTarget(f"{self.target} does not exist in the "
+                                f"installed {module_name.split('.')[0]}")
+        return owner, name
+
+
+def apply(table: list[Substitution], label: str,
+          level: int = logging.INFO) -> list[tuple]:
+    """Install `table` in order; a missing target stops it with
+    MissingTarget. Returns (owner, name, previous) for what it changed."""
+    changed = []
+    for s in table:
+        owner, name = s.resolve()
+        current = getattr(owner, name)
+        if getattr(current, _MARK, None) == s.target:
+            continue  # already installed
+        new = s.replacement(current) if s.wraps else s.replacement
+        try:
+            setattr(new, _MARK, s.target)
+        except (AttributeError, TypeError):  # builtins such as dict
+            new = _marked(new, s.target)
+        setattr(owner, name, new)
+        changed.append((owner, name, current))
+    if changed:
+        logger.log(level, "%s substitutes:\n%s", label, describe(table))
+    return changed
+
+
+@contextlib.contextmanager
+def applied(table: list[Substitution], label: str):
+    """`apply` for the duration of a block, then the originals back."""
+    changed = apply(table, label)
+    try:
+        yield
+    finally:
+        for owner, name, previous in reversed(changed):
+            setattr(owner, name, previous)
+
+
+def installed(target: str) -> bool:
+    """Whether a substitution for `target` is in place now."""
+    owner, name = Substitution(target, None, "").resolve()
+    return getattr(getattr(owner, name), _MARK, None) == target
+
+
+def describe(table: list[Substitution]) -> str:
+    return "\n".join(f"  {s.target}: {s.why}" for s in table)
+
+
+def _marked(function: Callable, target: str) -> Callable:
+
+    def call(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    setattr(call, _MARK, target)
+    return call
