@@ -209,3 +209,27 @@ def test_plan_reports_weight_dtypes_as_they_are(tiny_models):
     rc, out, _ = cli("plan", tiny_models.checkpoint("e2b", True, "qat"),
                      "--context", 1024)
     assert rc == 0 and "(f32; from checkpoint headers)" in out, out
+
+
+def test_plan_per_chip_under_tensor_parallelism(tmp_path):
+    e2b = synthetic.write_header_only(tmp_path / "e2b", "e2b", "qat")
+    one = json.loads(cli("plan", e2b, "--json")[1])
+    four = json.loads(cli("plan", e2b, "--tp", 4, "--json")[1])
+    assert (one["tp"], four["tp"]) == (1, 4)
+    assert four["weight_bytes"] == one["weight_bytes"]
+    # Embeddings, attention and MLP split 4 ways; the per-layer-input
+    # projections and norms stay whole on every chip.
+    assert one["weight_bytes"] / 4 < four["weight_bytes_per_chip"] < \
+        one["weight_bytes"] / 3
+    # E2B's one KV head: every chip holds it whole (padded to TP).
+    assert four["kv_bytes_per_token"] == one["kv_bytes_per_token"] == 18 * 1024
+    assert four["max_agents_at_context"] > one["max_agents_at_context"]
+    e4b = synthetic.write_header_only(tmp_path / "e4b", "e4b", "qat")
+    one = json.loads(cli("plan", e4b, "--json")[1])
+    two = json.loads(cli("plan", e4b, "--tp", 2, "--json")[1])
+    four = json.loads(cli("plan", e4b, "--tp", 4, "--json")[1])
+    # Two KV heads: split over 2 chips, padded to one per chip over 4.
+    assert two["kv_bytes_per_token"] == four["kv_bytes_per_token"] == \
+        one["kv_bytes_per_token"] // 2
+    rc, out, _ = cli("plan", e4b, "--tp", 4, "--agents", 32)
+    assert rc == 0 and "per chip (TP=4;" in out

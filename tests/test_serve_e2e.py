@@ -11,6 +11,9 @@ from harness import complete, guided_tool_call, hf_greedy
 from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import tiny
 
+# One worker runs this module: its module-scoped fixture is expensive.
+pytestmark = pytest.mark.xdist_group("serve_e2e")
+
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# One worker runs this module: its module-scoped fixture is expensive.
+pytestmark = pytest.mark.xdist_group("upstream_patch")
+
 ROOT = Path(__file__).resolve().parents[1]
 PATCHES = sorted((ROOT / "patches").glob("*.patch"))
 PINNED = "0.32.0"

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# One worker runs this module: its module-scoped fixture is expensive.
+pytestmark = pytest.mark.xdist_group("version_guard")
+
 ROOT = Path(__file__).resolve().parents[1]
 STACK = {"vllm", "vllm-tpu", "tpu-inference", "jax", "jaxlib", "torch",
          "libtpu"}

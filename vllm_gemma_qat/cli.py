@@ -166,7 +166,7 @@ def cmd_inspect(args) -> int:
 
 
 def _plan_inputs(target: str):
-    """(Geometry, weight bytes as loaded, their dtypes, source) from a
+    """(Geometry, plan.Weights as loaded, their dtypes, source) from a
     checkpoint (headers) or a bare config.json (language model from the
     geometry, bf16 assumed)."""
     p = Path(target)
@@ -179,20 +179,27 @@ def _plan_inputs(target: str):
             else _load_json(p)
         geometry.architecture_of(config)
         geo = geometry.Geometry.from_text_config(geometry.text_config_of(config))
-        n = sum(checkpoint.numel(s) for s in geo.expected("").values())
-        return geo, 2 * n, "bf16 assumed", "config (language model only)"
+        tensors = {n: (2 * checkpoint.numel(s), checkpoint.numel(s))
+                   for n, s in geo.expected("").items()}
+        return (geo, plan.Weights(tensors), "bf16 assumed",
+                "config (language model only)")
     ckpt, report = _open(target)
-    skipped = set(report.skipped)
-    loaded = [i for n, i in ckpt.tensors.items()
-              if n not in skipped and ".audio_tower." not in n
-              and ".embed_audio." not in n]
     if report.export_kind == "qat-w4a16-ct":
         raise CheckpointError(
             f"{target}: plan takes a bf16 export (regular or QAT bf16); pass "
             "--weights int4 for the 4-bit figure")
-    dtypes = ", ".join(sorted({i.dtype.lower() for i in loaded}))
-    return (report.geometry, sum(i.nbytes for i in loaded), dtypes,
-            "checkpoint headers")
+    skipped = set(report.skipped)
+    tensors, other, dtypes = {}, 0, set()
+    for name, info in ckpt.tensors.items():
+        if name in skipped or ".audio_tower." in name or ".embed_audio." in name:
+            continue
+        dtypes.add(info.dtype.lower())
+        if geometry.is_language_model_tensor(name, report.prefix):
+            tensors[name.removeprefix(report.prefix)] = (info.nbytes, info.numel)
+        else:
+            other += info.nbytes
+    return (report.geometry, plan.Weights(tensors, other),
+            ", ".join(sorted(dtypes)), "checkpoint headers")
 
 
 def _load_json(p: Path) -> dict:
@@ -203,26 +210,30 @@ def _load_json(p: Path) -> dict:
 
 
 def cmd_plan(args) -> int:
-    geo, weight_bytes, dtypes, source = _plan_inputs(args.target)
-    p = plan.make_plan(geo, weight_bytes, agents=args.agents,
+    geo, weights, dtypes, source = _plan_inputs(args.target)
+    p = plan.make_plan(geo, weights, agents=args.agents,
                        context=args.context, kv_dtype=args.kv_dtype,
                        hbm_gib=args.hbm_gib, utilization=args.utilization,
-                       weights=args.weights)
-    weights = ("int4 linears, the rest as loaded" if args.weights == "int4"
-               else dtypes)
+                       form=args.weights, tp=args.tp)
+    dtypes = ("int4 linears, the rest as loaded" if args.weights == "int4"
+              else dtypes)
     if args.json:
         print(json.dumps(p.as_dict() | {"weights_from": source,
-                                        "weight_dtypes": weights}, indent=1))
+                                        "weight_dtypes": dtypes}, indent=1))
         return 0 if p.fits else 1
     kib = p.kv_bytes_per_token / 1024
-    print(f"weights       {_gb(p.weight_bytes)} ({weights}; from {source})")
+    chips = f" per chip (TP={p.tp}; {_gb(p.weight_bytes)} in all)" \
+        if p.tp > 1 else ""
+    print(f"weights       {_gb(p.weight_bytes_per_chip)}{chips} ({dtypes}; "
+          f"from {source})")
     if p.context_limit and args.context > p.context_limit:
         print(f"context       {args.context} tokens exceeds the model's "
               f"max_position_embeddings {p.context_limit}: does NOT fit")
-    print(f"KV per token  {p.kv_bytes_per_token} bytes ({kib:g} KiB, "
-          f"{args.kv_dtype}; {geo.num_layers - geo.num_kv_shared_layers} of "
+    print(f"KV per token  {p.kv_bytes_per_token} bytes{' per chip' if p.tp > 1 else ''} "
+          f"({kib:g} KiB, {args.kv_dtype}; "
+          f"{geo.num_layers - geo.num_kv_shared_layers} of "
           f"{geo.num_layers} layers hold KV)")
-    print(f"budget        {_gb(p.budget_bytes)} for KV "
+    print(f"budget        {_gb(p.budget_bytes)} for KV per chip "
           f"({args.hbm_gib:g} GiB x {args.utilization:g} - weights)")
     print(f"{args.agents} agents x {args.context} tokens:")
     print(f"  as tpu-inference allocates today   {_gb(p.kv_total_bytes)}"
@@ -299,6 +310,9 @@ def main(argv=None) -> int:
                    help="vLLM --gpu-memory-utilization, in (0, 1]")
     p.add_argument("--weights", choices=["bf16", "int4"], default="bf16",
                    help="int4: the linears as the w4a16 export holds them")
+    p.add_argument("--tp", type=_positive(int), default=1,
+                   help="chips in the slice, as vLLM --tensor-parallel-size "
+                   "(v6e-4: 4, v6e-8: 8); the figures are per chip")
     p.add_argument("--json", action="store_true",
                    help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)

@@ -50,11 +50,12 @@ class GemmaQatModelLoader(BaseModelLoader):
             owned = weights.shared_layer_kv_params(model, kv_share_map)
             logger.info("gemma_qat: KV-shared layers %d-%d own %d K/V "
                         "parameters", layers[0], layers[-1], len(owned))
-        shards = weights.sharding_summary(model)
-        if shards["devices"] > 1:
+        shards = weights.sharding_summary(
+            model, lambda name: not weights.is_tower_param(name))
+        if shards["devices"] > 1:  # what `vllm-gemma-qat plan --tp` predicts
             logger.info(
-                "gemma_qat: weights on %d devices: split %d bytes, %d per "
-                "device; replicated %d bytes", shards["devices"],
+                "gemma_qat: language-model weights on %d devices: split %d "
+                "bytes, %d per device; replicated %d bytes", shards["devices"],
                 shards["split"], shards["split_per_device"],
                 shards["replicated"])
 

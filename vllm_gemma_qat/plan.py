@@ -1,8 +1,16 @@
-"""Memory plan: weights + KV cache for N agents x T tokens on one TPU.
+"""Memory plan: weights + KV cache for N agents x T tokens per TPU chip, on
+one chip or a tensor-parallel slice (TP chips).
 
 KV figures follow tpu-inference's cache layout: only non-shared layers hold
-KV; per layer a token takes align(2 x kv_heads, packing) x align(head_dim,
-128) elements, where packing is 32 bits / dtype bits (bf16: 2, fp8/int8: 4).
+KV; per layer a token takes, on each chip, align(2 x kv_heads / TP, packing)
+x align(head_dim, 128) elements, where packing is 32 bits / dtype bits (bf16:
+2, fp8/int8: 4) and kv_heads is padded to a multiple of TP (E2B's one KV
+head is then held whole on every chip).
+Under TP, tpu-inference 0.32's Gemma 4 splits the attention and MLP
+projections (heads, MLP width; K/V on head_dim when KV heads < TP) and both
+embeddings (vocabulary) across the chips, and keeps the rest (norms, layer
+scalars, the per-layer-input projections) whole on every chip; towers are
+counted whole on every chip (an upper bound).
 tpu-inference sizes sliding-window layers like full ones; the SWA-aware
 figure caps them at the window, which is what sliding-window-aware caching
 would buy.
@@ -15,39 +23,58 @@ from vllm_gemma_qat.geometry import Geometry
 
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1, "int8": 1}
 GIB = 1024**3
+SPLIT_UNDER_TP = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                  "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                  "mlp.down_proj", "embed_tokens", "embed_tokens_per_layer")
 
 
 def _align(x: int, to: int) -> int:
     return -(-x // to) * to
 
 
-def kv_bytes_per_layer_token(geo: Geometry, layer: int, kv_dtype: str) -> int:
+def kv_bytes_per_layer_token(geo: Geometry, layer: int, kv_dtype: str,
+                             tp: int = 1) -> int:
+    """Bytes one token of `layer` takes on each chip."""
     nbytes = KV_DTYPE_BYTES[kv_dtype]
     packing = 4 // nbytes
-    return (_align(2 * geo.kv_heads(layer), packing) *
+    heads_per_chip = -(-geo.kv_heads(layer) // tp)
+    return (_align(2 * heads_per_chip, packing) *
             _align(geo.head_dim(layer), 128) * nbytes)
 
 
-def linear_params(geo: Geometry) -> int:
-    """Parameters of the language model's Linear layers (what the w4a16
-    export quantizes)."""
-    shapes = geo.expected("")
-    return sum(shapes[m + ".weight"][0] * shapes[m + ".weight"][1]
-               for m in geo.linear_modules(""))
+def split_under_tp(name: str) -> bool:
+    """Whether tensor parallelism splits this language-model weight."""
+    return name.removesuffix(".weight").endswith(SPLIT_UNDER_TP)
 
 
-def weight_bytes(geo: Geometry, bf16_bytes: int, weights: str) -> int:
-    """`bf16_bytes` as loaded; with int4, linears become 4-bit + a bf16
-    scale per 32 weights."""
-    if weights == "bf16":
-        return bf16_bytes
-    n = linear_params(geo)
-    return bf16_bytes - 2 * n + n // 2 + 2 * (n // 32)
+@dataclass(frozen=True)
+class Weights:
+    """What the chips hold: language-model tensors (name relative to the
+    language model -> (bytes as loaded, elements)) and other bytes (towers)."""
+    tensors: dict[str, tuple[int, int]]
+    other_bytes: int = 0
+
+    def per_chip(self, geo: Geometry, form: str, tp: int) -> tuple[int, int]:
+        """(bytes in all, bytes on each chip); `form` "int4": linears as
+        4-bit values + a bf16 scale per 32."""
+        linears = {m + ".weight" for m in geo.linear_modules("")}
+        split = whole = 0
+        for name, (nbytes, numel) in self.tensors.items():
+            if form == "int4" and name in linears:
+                nbytes = numel // 2 + 2 * (numel // 32)
+            if split_under_tp(name):
+                split += nbytes
+            else:
+                whole += nbytes
+        whole += self.other_bytes
+        return split + whole, -(-split // tp) + whole
 
 
 @dataclass
 class Plan:
-    weight_bytes: int
+    tp: int
+    weight_bytes: int  # in all
+    weight_bytes_per_chip: int
     kv_bytes_per_token: int
     kv_bytes_per_token_swa_full_layers: int
     kv_bytes_per_agent_swa: int
@@ -55,7 +82,7 @@ class Plan:
     context: int
     kv_total_bytes: int
     kv_total_bytes_swa: int
-    budget_bytes: int
+    budget_bytes: int  # per chip; KV figures are per chip too
     fits: bool
     fits_swa: bool
     max_agents_at_context: int
@@ -68,11 +95,13 @@ class Plan:
         return asdict(self)
 
 
-def make_plan(geo: Geometry, bf16_weight_bytes: int, *, agents: int,
+def make_plan(geo: Geometry, weights: Weights, *, agents: int,
               context: int, kv_dtype: str = "bf16", hbm_gib: float = 32.0,
-              utilization: float = 0.9, weights: str = "bf16") -> Plan:
+              utilization: float = 0.9, form: str = "bf16",
+              tp: int = 1) -> Plan:
     own = [i for i in range(geo.num_layers) if i not in geo.kv_share_map]
-    per_layer = {i: kv_bytes_per_layer_token(geo, i, kv_dtype) for i in own}
+    per_layer = {i: kv_bytes_per_layer_token(geo, i, kv_dtype, tp)
+                 for i in own}
     per_token = sum(per_layer.values())
     window = geo.text.get("sliding_window") or 0
     sliding = [i for i in own if geo.layer_types[i] == "sliding_attention"]
@@ -88,8 +117,8 @@ def make_plan(geo: Geometry, bf16_weight_bytes: int, *, agents: int,
         return min(tokens, limit) if limit else tokens
 
     in_range = not limit or context <= limit
-    w = weight_bytes(geo, bf16_weight_bytes, weights)
-    budget = max(0, int(hbm_gib * GIB * utilization) - w)
+    total, per_chip = weights.per_chip(geo, form, tp)
+    budget = max(0, int(hbm_gib * GIB * utilization) - per_chip)
     max_ctx_swa = 0
     if agents:
         cap = budget // agents
@@ -98,7 +127,9 @@ def make_plan(geo: Geometry, bf16_weight_bytes: int, *, agents: int,
         else:
             max_ctx_swa = (cap - window * sliding_per_token) // full_per_token
     return Plan(
-        weight_bytes=w,
+        tp=tp,
+        weight_bytes=total,
+        weight_bytes_per_chip=per_chip,
         kv_bytes_per_token=per_token,
         kv_bytes_per_token_swa_full_layers=full_per_token,
         kv_bytes_per_agent_swa=swa_agent(context),

@@ -130,12 +130,15 @@ def param_bytes_by_dtype(model) -> dict[str, int]:
     return out
 
 
-def sharding_summary(model) -> dict[str, int]:
-    """How the parameters lie on the devices: bytes of those split across
-    devices (in all, and on the first device) and of those held whole."""
+def sharding_summary(model, include=lambda name: True) -> dict[str, int]:
+    """How the parameters (those `include` accepts) lie on the devices:
+    bytes of those split across devices (in all, and on the first device)
+    and of those held whole."""
     out = {"devices": 1, "split": 0, "split_per_device": 0, "replicated": 0}
     devices = set()
-    for _, value in _param_values(model):
+    for name, value in _param_values(model):
+        if not include(name):
+            continue
         nbytes = _nbytes(value.shape, value.dtype)
         shards = getattr(value, "addressable_shards", None) or []
         devices.update(shard.device for shard in shards)
@@ -147,6 +150,10 @@ def sharding_summary(model) -> dict[str, int]:
             out["replicated"] += nbytes
     out["devices"] = max(1, len(devices))
     return out
+
+
+def is_tower_param(name: str) -> bool:
+    return any(t in name for t in ("vision", "audio"))
 
 
 def shared_layer_kv_params(model, kv_share_map: dict[int, int]) -> list[str]:

@@ -1,0 +1,66 @@
+"""The runtime substitutions, declared once: every target of the kv-share
+patch and of CPU mode exists in the installed tpu-inference; a missing
+target is named, never silently added; CPU mode refuses TPU machines."""
+import pytest
+
+from vllm_gemma_qat import cpu, kv_share_patch, substitute
+from vllm_gemma_qat.substitute import MissingTarget, Substitution
+
+
+def tables():
+    return {"kv-share patch": kv_share_patch.substitutions(None),
+            "CPU kernels": cpu.kernel_substitutions(),
+            "CPU runtime": cpu.runtime_substitutions()}
+
+
+@pytest.mark.parametrize("name", ["kv-share patch", "CPU kernels",
+                                  "CPU runtime"])
+def test_every_target_exists_in_the_installed_stack(name):
+    table = tables()[name]
+    assert table
+    for s in table:
+        owner, attr = s.resolve()
+        assert callable(getattr(owner, attr)), s.target
+        assert s.why
+
+
+def test_a_renamed_target_is_named_not_added():
+    import tpu_inference.utils as utils
+    renamed = Substitution("tpu_inference.utils:get_device_hbm_limit_v2",
+                           lambda: 0, "test")
+    with pytest.raises(MissingTarget, match=r"tpu_inference\.utils:"
+                       r"get_device_hbm_limit_v2 does not exist in the "
+                       r"installed tpu_inference"):
+        substitute.apply([renamed], "test")
+    assert not hasattr(utils, "get_device_hbm_limit_v2")
+    with pytest.raises(MissingTarget, match="cannot import"):
+        Substitution("tpu_inference.no_such_module:x", None, "").resolve()
+
+
+def test_applied_installs_once_and_restores():
+    from tpu_inference.layers.common import attention_interface as ai
+    original = ai.ragged_paged_attention
+    target = ("tpu_inference.layers.common.attention_interface:"
+              "ragged_paged_attention")
+    with cpu.kernels():
+        assert ai.ragged_paged_attention is not original
+        assert substitute.installed(target)
+        # Applying again changes nothing (no double wrapping).
+        assert substitute.apply(cpu.kernel_substitutions(), "again") == []
+    assert ai.ragged_paged_attention is original
+    assert not substitute.installed(target)
+
+
+def test_cpu_mode_refuses_tpu_machines(tmp_path):
+    assert cpu.tpu_evidence({"JAX_PLATFORMS": "cpu"}, str(tmp_path)) is None
+    assert "not 'cpu'" in cpu.tpu_evidence({"JAX_PLATFORMS": "tpu"},
+                                           str(tmp_path))
+    assert "not 'cpu'" in cpu.tpu_evidence({}, str(tmp_path))
+    (tmp_path / "vfio").mkdir()
+    (tmp_path / "vfio" / "0").touch()
+    assert cpu.tpu_evidence({"JAX_PLATFORMS": "cpu"},
+                            str(tmp_path)).endswith("vfio/0 exists (a TPU "
+                                                    "device)")
+    (tmp_path / "accel0").touch()
+    assert "accel0 exists" in cpu.tpu_evidence({"JAX_PLATFORMS": "cpu"},
+                                               str(tmp_path))
