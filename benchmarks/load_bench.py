@@ -28,10 +28,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def scaled_config(scale: float) -> dict:
+def scaled_config(scale: float, layers: int | None = None) -> dict:
     from vllm_gemma_qat.testing import synthetic
     config = json.loads(json.dumps(synthetic.CONFIGS["e2b"]))
     text = config["text_config"]
+    if layers:  # smoke runs: the same pattern, fewer layers, half shared
+        text["num_hidden_layers"] = layers
+        text["layer_types"] = text["layer_types"][:layers]
+        text["num_kv_shared_layers"] = layers // 2
     if scale < 1:
         # Keep the layer pattern and sharing; shrink widths (multiples of 256).
         for key in ("hidden_size", "intermediate_size"):
@@ -198,11 +202,14 @@ def main() -> None:
                         help="width scale (1.0 = real E2B text decoder)")
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
         "XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-gemma-qat" / "bench")
+    parser.add_argument("--layers", type=int,
+                        help="fewer layers than E2B's 35 (smoke runs only)")
     parser.add_argument("--skip-int4", action="store_true")
     args = parser.parse_args()
-    cache = args.cache / f"e2b-scale{args.scale:g}"
+    cache = args.cache / (f"e2b-scale{args.scale:g}" +
+                          (f"-layers{args.layers}" if args.layers else ""))
     cache.mkdir(parents=True, exist_ok=True)
-    config = scaled_config(args.scale)
+    config = scaled_config(args.scale, args.layers)
     print(f"building (once) synthetic E2B text decoder, scale {args.scale:g}, "
           f"in {cache} ...", flush=True)
     qat = build(cache / "qat", config, "qat")

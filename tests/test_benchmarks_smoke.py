@@ -11,11 +11,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_load_bench_smallest_scale(tmp_path):
     out = subprocess.run(
         [sys.executable, ROOT / "benchmarks" / "load_bench.py", "--scale",
-         "0.02", "--cache", tmp_path], capture_output=True, text=True,
-        timeout=1500)
+         "0.02", "--layers", "10", "--cache", tmp_path], capture_output=True,
+        text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "plugin / stock load time:" in out.stdout
-    results = json.loads((tmp_path / "e2b-scale0.02" / "results.json").read_text())
+    results = json.loads((tmp_path / "e2b-scale0.02-layers10" /
+                          "results.json").read_text())
     assert set(results) == {"stock_regular", "plugin_qat", "plugin_int4",
                             "overrides"}
     assert results["plugin_qat"]["peak_anon_bytes"] > 0

@@ -90,5 +90,6 @@ def test_data_parallel_two_engines(tmp_path):
         for prompt_ids, tokens in results:
             assert tokens == hf_greedy(hf, prompt_ids, 8)
     log = server.log.read_text()
+    assert "EngineDeadError" not in log  # a clean shutdown
     for rank in (0, 1):
         assert re.search(rf"EngineCore_DP{rank} .*gemma_qat: loaded", log)

@@ -54,7 +54,8 @@ def appended_tests(patch_text: str, path: str) -> str:
 
 
 def _run(args, root, **env):
-    environ = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{ROOT / 'tests'}",
+    path = [str(root), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join(path),
                    **env)
     return subprocess.run([sys.executable, *map(str, args)], cwd=root,
                           env=environ, capture_output=True, text=True,

@@ -68,7 +68,8 @@ def test_fused_qkv_is_refused_clearly_and_auto_untouched(fused_qkv_copy,
                                                          tiny_models):
     qat = tiny_models.checkpoint("e2b", True, "qat")
     regular = tiny_models.checkpoint("e2b", True, "regular")
-    env = dict(os.environ, PYTHONPATH=str(fused_qkv_copy))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(fused_qkv_copy), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", CHECK, str(fused_qkv_copy),
                           str(qat), str(regular)], env=env, cwd=fused_qkv_copy,
                          capture_output=True, text=True, timeout=900)

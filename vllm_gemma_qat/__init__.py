@@ -5,15 +5,7 @@ API server, the engine core and every worker, so it is idempotent and cheap:
 it registers the loader and arranges for tpu-inference's Gemma 4 module to be
 patched when (and if) it is imported.
 
-Layout (imports go one way, down this list):
-  checkpoint, quantization, geometry  header-only: what a checkpoint holds
-                                      and what gemma_qat needs of it
-  int4, weights, loader               reading tensors into the model
-  substitute, kv_share_patch          runtime changes to tpu-inference
-  plan, cli                           `vllm-gemma-qat inspect | plan | ...`
-  cpu/       opt-in CPU mode (its own entry point): kernel stand-ins,
-             substitution table, a `vllm serve` wrapper
-  testing/   tiny and header-only checkpoints, a model runner, the demo
+Layout: README.md, section Layout.
 """
 __version__ = "0.1.0"
 
@@ -24,9 +16,10 @@ def register() -> None:
     from vllm.model_executor.model_loader import (_LOAD_FORMAT_TO_MODEL_LOADER,
                                                   register_model_loader)
 
-    from vllm_gemma_qat import kv_share_patch
+    from vllm_gemma_qat import kv_share_patch, preflight, substitute
     from vllm_gemma_qat.loader import GemmaQatModelLoader
 
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not GemmaQatModelLoader:
         register_model_loader(LOAD_FORMAT)(GemmaQatModelLoader)
+    substitute.apply(preflight.substitutions(), "vllm-gemma-qat")
     kv_share_patch.install()

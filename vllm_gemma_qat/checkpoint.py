@@ -160,6 +160,36 @@ def open_checkpoint(path: Path) -> Checkpoint:
     return ckpt
 
 
+def open_remote(repo_id: str, revision: str | None = None) -> Checkpoint:
+    """config.json and every shard's safetensors header of a hub repo, read
+    with range requests (huggingface_hub): no weights are downloaded. What
+    only the files can tell (truncation) is not checked."""
+    from huggingface_hub import HfApi, hf_hub_download
+    try:
+        config_file = hf_hub_download(repo_id, "config.json", revision=revision)
+        meta = HfApi().get_safetensors_metadata(repo_id, revision=revision)
+    except Exception as e:  # offline, unknown repo, gated, not safetensors
+        raise CheckpointError(
+            f"{repo_id}: not a local directory, and its config.json / "
+            f"safetensors headers could not be read from the hub "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
+    ckpt = Checkpoint(Path(repo_id), read_config(Path(config_file).parent),
+                      [Path(f) for f in sorted(meta.files_metadata)])
+    for file, header in sorted(meta.files_metadata.items()):
+        for name, t in header.tensors.items():
+            begin, end = t.data_offsets
+            info = TensorInfo(name, t.dtype, tuple(t.shape), file, begin)
+            if info.dtype not in DTYPE_BYTES or end - begin != info.nbytes:
+                raise CheckpointError(f"{repo_id}/{file}: corrupt safetensors "
+                                      f"header entry for tensor {name}")
+            if name in ckpt.tensors:
+                raise CheckpointError(f"{repo_id}/{file}: tensor {name} also "
+                                      f"in {ckpt.tensors[name].file}")
+            ckpt.tensors[name] = info
+    return ckpt
+
+
 def read_bf16(ckpt: Checkpoint, name: str):
     """One BF16 tensor as a numpy (ml_dtypes) array, read straight from its
     shard: no torch, no copy of the rest."""

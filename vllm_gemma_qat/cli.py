@@ -18,8 +18,16 @@ from vllm_gemma_qat import checkpoint, geometry, plan, quantization
 from vllm_gemma_qat.checkpoint import CheckpointError
 
 
-def _open(target: str):
-    path = checkpoint.resolve(target, allow_download=False)
+def _open(target: str, remote_ok: bool = False):
+    """The checkpoint's headers: a local directory or the HF cache, else
+    (`remote_ok`, a repo id) straight from the hub, before any download."""
+    try:
+        path = checkpoint.resolve(target, allow_download=False)
+    except CheckpointError:
+        if not (remote_ok and _looks_like_repo_id(target)):
+            raise
+        ckpt = checkpoint.open_remote(target)
+        return ckpt, geometry.check(ckpt)
     if _config_only(path):
         raise CheckpointError(
             f"{path}: config.json but no *.safetensors shards (weights not "
@@ -27,6 +35,11 @@ def _open(target: str):
             f"plan {target}` works from config.json alone")
     ckpt = checkpoint.open_checkpoint(path)
     return ckpt, geometry.check(ckpt)
+
+
+def _looks_like_repo_id(target: str) -> bool:
+    return (target.count("/") == 1 and not target.startswith((".", "/"))
+            and not Path(target).exists())
 
 
 def _config_only(path: Path) -> bool:
@@ -152,7 +165,7 @@ def _off_grid(ckpt, report: geometry.CheckpointReport) -> dict[str, str]:
 
 
 def cmd_inspect(args) -> int:
-    ckpt, report = _open(args.checkpoint)
+    ckpt, report = _open(args.checkpoint, remote_ok=not args.grid)
     summary = inspect_summary(ckpt, report)
     if args.grid and report.loads_with_gemma_qat:
         off = _off_grid(ckpt, report)
@@ -171,8 +184,13 @@ def _plan_inputs(target: str):
     geometry, bf16 assumed)."""
     p = Path(target)
     if not p.is_file():
-        resolved = checkpoint.resolve(target, allow_download=False)
-        if _config_only(resolved):
+        try:
+            resolved = checkpoint.resolve(target, allow_download=False)
+        except CheckpointError:
+            if not _looks_like_repo_id(target):
+                raise
+            resolved = None  # not here: headers from the hub (below)
+        if resolved and _config_only(resolved):
             p = resolved / "config.json"
     if p.is_file():
         config = checkpoint.read_config(p.parent) if p.name == "config.json" \
@@ -183,7 +201,7 @@ def _plan_inputs(target: str):
                    for n, s in geo.expected("").items()}
         return (geo, plan.Weights(tensors), "bf16 assumed",
                 "config (language model only)")
-    ckpt, report = _open(target)
+    ckpt, report = _open(target, remote_ok=True)
     if report.export_kind == "qat-w4a16-ct":
         raise CheckpointError(
             f"{target}: plan takes a bf16 export (regular or QAT bf16); pass "

@@ -35,7 +35,8 @@ class GemmaQatModelLoader(BaseModelLoader):
 
         feed = weights.WeightFeed(report,
                                   _int4_from_bf16(model_config, report))
-        loaded = model.load_weights(feed.tensors(ckpt))
+        progress = getattr(self.load_config, "use_tqdm_on_load", True)
+        loaded = model.load_weights(feed.tensors(ckpt, progress=progress))
         feed.verify(model, loaded, ckpt)
         logger.info("gemma_qat: loaded %d tensors from %s; %s", feed.handed_over,
                     path, feed.skip_summary())

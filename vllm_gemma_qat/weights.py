@@ -32,15 +32,24 @@ class WeightFeed:
         layers, which never read them."""
         return self.report.skipped
 
-    def tensors(self, ckpt: Checkpoint):
+    def tensors(self, ckpt: Checkpoint, progress: bool = False):
+        """(name, tensor) for `load_weights`; `progress`: a progress bar
+        over the tensors (as vLLM's own loader shows one over shards)."""
+        from tqdm.auto import tqdm
         skip = set(self.skipped)
-        for name, tensor in stream_tensors(ckpt, lambda n: n not in skip):
-            self.handed_over += 1
-            module = name.removesuffix(".weight")
-            if module in self.int4_modules:
-                yield from packed_int4(module, tensor)
-            else:
-                yield name, tensor
+        desc = "gemma_qat: loading tensors" + (
+            f" ({len(self.int4_modules)} q4_0 linears to int4)"
+            if self.int4_modules else "")
+        with tqdm(total=len(ckpt.tensors) - len(skip), desc=desc,
+                  unit="tensor", disable=not progress) as bar:
+            for name, tensor in stream_tensors(ckpt, lambda n: n not in skip):
+                self.handed_over += 1
+                module = name.removesuffix(".weight")
+                if module in self.int4_modules:
+                    yield from packed_int4(module, tensor)
+                else:
+                    yield name, tensor
+                bar.update()
 
     def skip_summary(self) -> str:
         if not self.skipped:

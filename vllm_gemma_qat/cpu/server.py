@@ -35,6 +35,9 @@ class CpuServer:
         self.args = ["--load-format", LOAD_FORMAT, "--host", "127.0.0.1",
                      "--port", str(self.port), "--dtype", "float32",
                      "--max-model-len", "256", "--max-num-seqs", "8",
+                     # Let the engine finish on SIGTERM (the default, 0,
+                     # kills it and logs an EngineDeadError traceback).
+                     "--shutdown-timeout", "30",
                      *extra_args]
         self.startup_timeout = startup_timeout
         self.devices = devices  # CPU devices JAX offers (for TP / DP > 1)

@@ -1,0 +1,49 @@
+"""Fail fast: the header check (< 0.1 s) runs where `vllm serve` / `LLM()`
+turn their arguments into a config, before any engine process starts, so a
+damaged gemma_qat checkpoint ends the command with one named error instead
+of a failed engine start-up.
+
+A checkpoint not on this machine yet (a hub id not in the cache) is left to
+the engine's loader, which downloads it and runs the same check.
+"""
+from __future__ import annotations
+
+import functools
+
+from vllm_gemma_qat import LOAD_FORMAT, checkpoint, geometry
+from vllm_gemma_qat.checkpoint import CheckpointError
+from vllm_gemma_qat.substitute import Substitution
+
+
+def substitutions() -> list[Substitution]:
+    return [Substitution(
+        "vllm.engine.arg_utils:EngineArgs.create_engine_config",
+        check_before_engine, "a damaged gemma_qat checkpoint stops `vllm "
+        "serve` before any engine starts, with the named error", wraps=True)]
+
+
+def check_before_engine(create_engine_config):
+    """Wraps `EngineArgs.create_engine_config`."""
+
+    @functools.wraps(create_engine_config)
+    def wrapped(self, *args, **kwargs):
+        if getattr(self, "load_format", None) == LOAD_FORMAT:
+            check_local_checkpoint(self.model, getattr(self, "revision", None),
+                                   getattr(self, "download_dir", None))
+        return create_engine_config(self, *args, **kwargs)
+
+    return wrapped
+
+
+def check_local_checkpoint(model: str, revision: str | None = None,
+                           download_dir: str | None = None) -> None:
+    try:
+        path = checkpoint.resolve(model, revision, download_dir,
+                                  allow_download=False)
+    except CheckpointError:
+        return  # not here yet: the engine downloads it, then checks
+    try:
+        geometry.check(checkpoint.open_checkpoint(path)).raise_if_invalid(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e} [`vllm-gemma-qat inspect {model}` shows "
+                              "the full report]") from None
