@@ -29,6 +29,27 @@ def complete(server, model, prompt, n=8, **extra):
     return choice["prompt_token_ids"], choice["token_ids"]
 
 
+def assert_concurrent_greedy_equal(server, model, hf, prompts, n=8):
+    """`prompts` sent at once (continuous batching); each answer equals
+    transformers' greedy continuation."""
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: complete(server, model, p, n=n),
+                                prompts))
+    for prompt_ids, tokens in results:
+        assert tokens == hf_greedy(hf, prompt_ids, n)
+
+
+def prefix_cache_rerun(server, model, prompt, n=8):
+    """`prompt` twice: (prefix-cache hits the two added, first answer,
+    second answer)."""
+    before = server.metrics().get("vllm:prefix_cache_hits_total", 0)
+    first = complete(server, model, prompt, n=n)
+    second = complete(server, model, prompt, n=n)
+    hits = server.metrics()["vllm:prefix_cache_hits_total"] - before
+    return hits, first, second
+
+
 TOOL_CALL_SCHEMA = {
     "type": "object",
     "properties": {"tool": {"type": "string", "enum": ["search", "read"]},

@@ -2,13 +2,13 @@
 pure-JAX attention and int4 matmul stand in for the TPU kernels): both QAT
 int4 exports, greedy tokens equal transformers on the exact dequantized
 weights, with batching, prefix caching and guided decoding on top."""
-import concurrent.futures
 import json
 import re
 
 import pytest
 
-from harness import complete, guided_tool_call, hf_greedy
+from harness import (assert_concurrent_greedy_equal, guided_tool_call,
+                     prefix_cache_rerun)
 from vllm_gemma_qat import quantization
 from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import tiny
@@ -39,20 +39,14 @@ def test_int4_serves_exactly(served):
         assert "q4_0 bf16 linears recovered exactly" in log
 
     # 8 concurrent greedy completions, each equal to transformers.
-    prompts = [f"agent {i}: " + "b" * (2 + 5 * i) for i in range(8)]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda p: complete(server, model, p, n=12),
-                                prompts))
-    for prompt_ids, tokens in results:
-        assert tokens == hf_greedy(hf, prompt_ids, 12)
+    assert_concurrent_greedy_equal(
+        server, model, hf, [f"agent {i}: " + "b" * (2 + 5 * i)
+                            for i in range(8)], n=12)
 
     # Prefix caching: hits, and the same answer.
-    prefix = "You are a careful agent. " * 4
-    before = server.metrics().get("vllm:prefix_cache_hits_total", 0)
-    first = complete(server, model, prefix + "Task two.")
-    second = complete(server, model, prefix + "Task two.")
-    assert server.metrics()["vllm:prefix_cache_hits_total"] - before >= 64
-    assert first == second
+    hits, first, second = prefix_cache_rerun(
+        server, model, "You are a careful agent. " * 4 + "Task two.")
+    assert hits >= 64 and first == second
 
     # Guided decoding: json_schema output validates.
     assert guided_tool_call(server, model)["tool"] in ("search", "read")

@@ -302,8 +302,8 @@ def main(argv=None) -> int:
         "--load-format gemma_qat (headers only, no downloads).")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="will this checkpoint load?")
-    p.add_argument("checkpoint", help="local directory or hub repo id in the "
-                   "local HF cache")
+    p.add_argument("checkpoint", help="local directory or hub repo id (from "
+                   "the HF cache, else its headers from the hub)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--grid", action="store_true",
                    help="also read the bf16 linears and report which lie on "

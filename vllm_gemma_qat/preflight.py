@@ -9,6 +9,7 @@ the engine's loader, which downloads it and runs the same check.
 from __future__ import annotations
 
 import functools
+import os
 
 from vllm_gemma_qat import LOAD_FORMAT, checkpoint, geometry
 from vllm_gemma_qat.checkpoint import CheckpointError
@@ -40,8 +41,10 @@ def check_local_checkpoint(model: str, revision: str | None = None,
     try:
         path = checkpoint.resolve(model, revision, download_dir,
                                   allow_download=False)
+        if not os.path.isdir(model):  # a hub id found in the HF cache
+            checkpoint.shard_files(path)
     except CheckpointError:
-        return  # not here yet: the engine downloads it, then checks
+        return  # not (all) here yet: the engine downloads it, then checks
     try:
         geometry.check(checkpoint.open_checkpoint(path)).raise_if_invalid(path)
     except CheckpointError as e:

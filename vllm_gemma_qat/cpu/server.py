@@ -35,8 +35,8 @@ class CpuServer:
         self.args = ["--load-format", LOAD_FORMAT, "--host", "127.0.0.1",
                      "--port", str(self.port), "--dtype", "float32",
                      "--max-model-len", "256", "--max-num-seqs", "8",
-                     # Let the engine finish on SIGTERM (the default, 0,
-                     # kills it and logs an EngineDeadError traceback).
+                     # Let the engine drain and exit on SIGTERM (the
+                     # default, 0, force-kills it).
                      "--shutdown-timeout", "30",
                      *extra_args]
         self.startup_timeout = startup_timeout
