@@ -1,10 +1,11 @@
 """Runtime substitutions into vLLM / tpu-inference, declared as tables.
 
 Each `Substitution` names its target as "module:attribute.path", the
-replacement and why it is needed. `apply` resolves every target first and
-raises `MissingTarget` naming the first one that is not there (a rename in a
-new release must not silently add an unused attribute), then replaces them
-all and logs the list. Applying a table twice changes nothing more.
+replacement and why it is needed. `apply` installs them in table order (the
+order can matter: a module may read a patched function when imported); a
+target that is not there raises `MissingTarget` naming it (a rename in a new
+release must not silently add an unused attribute). It logs the list;
+applying a table twice changes nothing more.
 """
 from __future__ import annotations
 
