@@ -55,3 +55,19 @@ def test_param_bytes_count_int4_as_half_a_byte():
 
     assert weights.param_bytes_by_dtype(Params()) == {"int4": 16,
                                                       "bfloat16": 8}
+
+
+def test_shared_layer_kv_params_are_the_language_models_only():
+    # Parameter names as tpu-inference 0.32's multimodal Gemma 4 has them:
+    # its vision tower numbers its layers too, each with its own k_proj.
+    names = ["model.language_model.layers.4.self_attn.k_proj.weight",
+             "model.language_model.layers.5.self_attn.q_proj.weight",
+             "model.language_model.layers.5.self_attn.k_norm.weight",
+             "model.vision_tower.layers.5.self_attn.k_proj.weight"]
+
+    class Params:
+        def named_parameters(self):
+            return [(name, None) for name in names]
+
+    assert weights.shared_layer_kv_params(Params(), {5: 4}) == [
+        "model.language_model.layers.5.self_attn.k_norm.weight"]

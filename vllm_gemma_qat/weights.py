@@ -166,10 +166,12 @@ def is_tower_param(name: str) -> bool:
 
 
 def shared_layer_kv_params(model, kv_share_map: dict[int, int]) -> list[str]:
-    """Parameters of k_proj / v_proj / k_norm on KV-shared layers (none when
-    the #3225 fix is in place)."""
+    """Parameters of k_proj / v_proj / k_norm on the language model's
+    KV-shared layers (none when the #3225 fix is in place). The vision and
+    audio towers number their layers too, each with K/V of its own."""
     return [name for name, _ in model.named_parameters()
-            if (m := _PARAM_LAYER_KV.search(name))
+            if not is_tower_param(name)
+            and (m := _PARAM_LAYER_KV.search(name))
             and int(m.group(1)) in kv_share_map]
 
 
