@@ -1,7 +1,9 @@
 import os
+import shutil
 import sys
+import tempfile
 
-from vllm_gemma_qat.cpu.env import set_defaults
+from vllm_gemma_qat.cpu.env import compile_cache_env, set_defaults
 
 set_defaults(os.environ)  # before anything imports JAX / tpu_inference
 sys.path.insert(0, os.path.dirname(__file__))
@@ -13,13 +15,48 @@ def _on_tpu() -> bool:
     return os.environ.get("JAX_PLATFORMS", "") not in ("cpu", "")
 
 
+def pytest_configure(config):
+    # One compilation cache for the whole run, made by the main process
+    # (pytest-xdist workers start later and inherit it); a fresh one each
+    # run, so no run depends on what an earlier one left.
+    if os.environ.get("PYTEST_XDIST_WORKER") or \
+            "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    config._compile_cache = tempfile.mkdtemp(prefix="vllm-gemma-qat-xla-")
+    os.environ.update(compile_cache_env(config._compile_cache))
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_compile_cache", None):
+        shutil.rmtree(config._compile_cache, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
+    # Longest first: pytest-xdist hands out work in this order, so the quick
+    # tests fill the end of the run on both workers.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if _on_tpu():
         return
     skip = pytest.mark.skip(reason="needs a real TPU")
     for item in items:
         if "tpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def xdist_groups_hold(request):
+    """Under `--dist loadgroup` pytest-xdist marks a grouped test by adding
+    `@group` to its node id; where that no longer takes (pytest >= 9.2,
+    pytest-xdist#1386) groups are spread silently and every expensive module
+    fixture (a `vllm serve`) is built on each worker. Fail first instead."""
+    if not getattr(request.config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in request.session.items
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        pytest.fail(f"--dist loadgroup ignores xdist_group marks under pytest "
+                    f"{pytest.__version__} (pytest-xdist#1386), e.g. {lost[0]}; "
+                    f"use the pytest pinned in .ci/requirements.txt")
 
 
 @pytest.fixture(scope="session")

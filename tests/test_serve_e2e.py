@@ -12,7 +12,7 @@ from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import tiny
 
 # One worker runs this module: its module-scoped fixture is expensive.
-pytestmark = pytest.mark.xdist_group("serve_e2e")
+pytestmark = [pytest.mark.xdist_group("serve_e2e"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,22 @@ def set_defaults(environ) -> None:
         environ.setdefault(key, value)
 
 
+def compile_cache_env(directory: str) -> dict[str, str]:
+    """JAX's persistent compilation cache in `directory` for every compile,
+    however quick, shared by the processes that get this environment (a
+    test run: in-process models and `vllm serve`, whose runner points JAX
+    at VLLM_XLA_CACHE_PATH). Tiny models compile in milliseconds, below
+    JAX's default 1 s threshold, and tpu-inference clears JAX's in-memory
+    caches after each quantized module it loads, so without this an int4
+    load compiles the same few small programs again for every module. The
+    size cap turns on JAX's file lock, which concurrent processes need."""
+    return {"JAX_COMPILATION_CACHE_DIR": directory,
+            "VLLM_XLA_CACHE_PATH": directory,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+            "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30)}
+
+
 if __name__ == "__main__":
     for key, value in CPU_ENV.items():
         print(f'export {key}="${{{key}:-{value}}}"')

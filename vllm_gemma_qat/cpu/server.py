@@ -66,7 +66,7 @@ class CpuServer:
                 urllib.request.urlopen(self.url + "/health", timeout=2)
                 return self
             except OSError:
-                time.sleep(1)
+                time.sleep(0.25)
         self.__exit__()
         raise TimeoutError(f"vllm serve not up after {self.startup_timeout} s; "
                            f"see {self.log}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 PAGE_SIZE = 16
+TOKEN_PADDING_MIN = 16  # the smallest of tpu-inference's token paddings
 MAX_MODEL_LEN = 256
 
 
@@ -72,13 +73,18 @@ class PagedRunner:
         self.seq_len = 0
 
     def step(self, token_ids) -> np.ndarray:
-        """Feed `token_ids` (continuing the sequence); logits per token."""
+        """Feed `token_ids` (continuing the sequence); logits per token.
+        Inputs are padded to the runner's token buckets as on a TPU (one
+        compiled program per bucket, not per length)."""
         import jax
         import jax.numpy as jnp
         from tpu_inference.layers.common.attention_metadata import \
             AttentionMetadata
         n = len(token_ids)
-        positions = jnp.arange(self.seq_len, self.seq_len + n, dtype=jnp.int32)
+        padded = max(TOKEN_PADDING_MIN, 1 << (n - 1).bit_length())
+        positions = jnp.arange(self.seq_len, self.seq_len + padded,
+                               dtype=jnp.int32)
+        token_ids = np.pad(np.asarray(token_ids, np.int32), (0, padded - n))
         self.seq_len += n
         md = AttentionMetadata(
             input_positions=positions,
@@ -90,7 +96,7 @@ class PagedRunner:
         with jax.set_mesh(self.mesh):
             self.kv_caches, hidden, _, _ = m.model.step_fn_no_options(
                 m.state_leaves, self.kv_caches,
-                jnp.asarray(token_ids, jnp.int32), md, None, positions,
+                jnp.asarray(token_ids), md, None, positions,
                 self.layer_to_cache, None, None, True, True)
             logits = m.compute_logits_fn(m.state_leaves, hidden, None)
-        return np.asarray(logits, np.float32)
+        return np.asarray(logits, np.float32)[:n]
