@@ -22,13 +22,14 @@ def compile_cache_env(directory: str) -> dict[str, str]:
     at VLLM_XLA_CACHE_PATH). Tiny models compile in milliseconds, below
     JAX's default 1 s threshold, and tpu-inference clears JAX's in-memory
     caches after each quantized module it loads, so without this an int4
-    load compiles the same few small programs again for every module. The
-    size cap turns on JAX's file lock, which concurrent processes need."""
+    load compiles the same few small programs again for every module. No
+    size cap: with one, JAX rescans the whole directory on every write. A
+    reader that meets an entry still being written gets a warning and
+    compiles (entries are compressed; the key is the program's hash)."""
     return {"JAX_COMPILATION_CACHE_DIR": directory,
             "VLLM_XLA_CACHE_PATH": directory,
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-            "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30)}
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
 
 if __name__ == "__main__":
