@@ -32,9 +32,6 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # Longest first: pytest-xdist hands out work in this order, so the quick
-    # tests fill the end of the run on both workers.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if _on_tpu():
         return
     skip = pytest.mark.skip(reason="needs a real TPU")

@@ -15,7 +15,6 @@ from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import tiny
 
 CLI = shutil.which("vllm-gemma-qat")
-pytestmark = pytest.mark.slow
 CASES = [(geometry, tp, form) for geometry in ("e2b", "e4b") for tp in (2, 4)
          for form in ("bf16", "w4a16")]
 

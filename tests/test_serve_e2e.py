@@ -12,7 +12,7 @@ from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import tiny
 
 # One worker runs this module: its module-scoped fixture is expensive.
-pytestmark = [pytest.mark.xdist_group("serve_e2e"), pytest.mark.slow]
+pytestmark = pytest.mark.xdist_group("serve_e2e")
 
 
 @pytest.fixture(scope="module")

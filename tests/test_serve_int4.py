@@ -13,8 +13,6 @@ from vllm_gemma_qat import quantization
 from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import tiny
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module", params=["w4a16", "q4_0"])
 def served(request, tmp_path_factory):

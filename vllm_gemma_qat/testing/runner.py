@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 
 PAGE_SIZE = 16
-TOKEN_PADDING_MIN = 16  # the smallest of tpu-inference's token paddings
 MAX_MODEL_LEN = 256
 
 
@@ -53,6 +52,7 @@ class PagedRunner:
         from tpu_inference.kernels.ragged_paged_attention.v3.kernel import \
             get_kv_cache_shape
         from tpu_inference.models.common.kv_share import compute_kv_share_map
+        from tpu_inference.runner.utils import get_token_paddings
         from tpu_inference.utils import get_layer_kv_params, get_padded_head_dim
         self.model, self.mesh = model, mesh
         text = config.model_config.hf_config.text_config
@@ -71,6 +71,8 @@ class PagedRunner:
             (f"layer.{i}", index[share.get(i, i)])
             for i in range(text.num_hidden_layers))
         self.seq_len = 0
+        # The TPU runner's token buckets (its default minimum, 16).
+        self.token_paddings = get_token_paddings(16, MAX_MODEL_LEN, 0)
 
     def step(self, token_ids) -> np.ndarray:
         """Feed `token_ids` (continuing the sequence); logits per token.
@@ -80,8 +82,9 @@ class PagedRunner:
         import jax.numpy as jnp
         from tpu_inference.layers.common.attention_metadata import \
             AttentionMetadata
+        from tpu_inference.runner.utils import get_padded_token_len
         n = len(token_ids)
-        padded = max(TOKEN_PADDING_MIN, 1 << (n - 1).bit_length())
+        padded = get_padded_token_len(self.token_paddings, n)
         positions = jnp.arange(self.seq_len, self.seq_len + padded,
                                dtype=jnp.int32)
         token_ids = np.pad(np.asarray(token_ids, np.int32), (0, padded - n))
