@@ -15,6 +15,13 @@ from pathlib import Path
 from vllm_gemma_qat import LOAD_FORMAT
 from vllm_gemma_qat.cpu import CPU_MODE_ENV
 
+# Tests' servers pad every step to this many tokens, so tpu-inference
+# compiles the model once per server instead of once per token bucket it
+# meets (three or four in a test, ~6 s each at TP=4 on CPU). Small, because
+# CPU mode's attention gathers a step's whole context per token; longer
+# prompts are prefilled in chunks (vLLM's chunked prefill).
+STEP_TOKENS = 32
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -24,11 +31,13 @@ def free_port() -> int:
 
 class CpuServer:
     """`vllm serve MODEL --load-format gemma_qat ...` with CPU mode on; the
-    plugin reaches every vLLM process through its entry point."""
+    plugin reaches every vLLM process through its entry point.
+    `step_tokens=None` keeps vLLM's step budget and tpu-inference's token
+    buckets (what a benchmark should measure)."""
 
     def __init__(self, model: str | Path, *extra_args: str, log: Path,
                  port: int | None = None, startup_timeout: float = 600,
-                 devices: int = 1):
+                 devices: int = 1, step_tokens: int | None = STEP_TOKENS):
         self.model, self.log = str(model), Path(log)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -37,8 +46,11 @@ class CpuServer:
                      "--max-model-len", "256", "--max-num-seqs", "8",
                      # Let the engine drain and exit on SIGTERM (the
                      # default, 0, force-kills it).
-                     "--shutdown-timeout", "30",
-                     *extra_args]
+                     "--shutdown-timeout", "30"]
+        if step_tokens:
+            self.args += ["--max-num-batched-tokens", str(step_tokens)]
+        self.args += extra_args
+        self.step_tokens = step_tokens
         self.startup_timeout = startup_timeout
         self.devices = devices  # CPU devices JAX offers (for TP / DP > 1)
         self.process = None
@@ -48,6 +60,8 @@ class CpuServer:
         # tpu-inference compiles every padding bucket at start-up (~35 s on
         # CPU for nothing a test uses); shapes are compiled when first used.
         env.setdefault("SKIP_JAX_PRECOMPILE", "1")
+        if self.step_tokens:  # tpu-inference's smallest bucket: its only one
+            env.setdefault("MIN_TOKEN_BUCKET", str(self.step_tokens))
         if self.devices > 1:
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_"
                                 f"platform_device_count={self.devices}").strip()
