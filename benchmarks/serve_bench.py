@@ -1,6 +1,7 @@
 """Serving benchmark against a running `vllm serve ... --load-format gemma_qat`.
 
-1. vLLM's own `vllm bench serve` sweep (random dataset) at each concurrency.
+1. vLLM's own serving benchmark (`vllm bench serve`'s code, random dataset)
+   at each concurrency.
 2. An agent workload no standard benchmark has: N agents, each a multi-turn
    loop over a shared system prompt whose context grows by appending tool
    results, every turn ending in a JSON tool call under guided decoding
@@ -19,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -48,19 +48,24 @@ SYSTEM = ("You are an agent. Each turn, answer with exactly one JSON tool "
 
 def sweep(base_url, model, tokenizer, concurrency, input_len, output_len,
           out: Path) -> list[dict]:
+    # `vllm bench serve`'s own code, run here: one import for the whole sweep
+    # instead of a vLLM CLI process per concurrency.
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
     rows = []
-    vllm = str(Path(sys.executable).with_name("vllm"))
     for c in concurrency:
-        name = f"sweep-c{c}.json"
-        subprocess.run([
-            vllm, "bench", "serve", "--backend", "openai", "--base-url",
-            base_url, "--model", model, "--tokenizer", tokenizer,
-            "--dataset-name", "random", "--random-input-len", str(input_len),
-            "--random-output-len", str(output_len), "--num-prompts",
-            str(max(4 * c, 8)), "--max-concurrency", str(c), "--ignore-eos",
-            "--save-result", "--result-dir", str(out), "--result-filename",
-            name], check=True, stdout=subprocess.DEVNULL)
-        r = json.loads((out / name).read_text())
+        args = parser.parse_args([
+            "--backend", "openai", "--base-url", base_url, "--model", model,
+            "--tokenizer", tokenizer, "--dataset-name", "random",
+            "--random-input-len", str(input_len), "--random-output-len",
+            str(output_len), "--num-prompts", str(max(4 * c, 8)),
+            "--max-concurrency", str(c), "--ignore-eos", "--save-result",
+            "--result-dir", str(out), "--result-filename", f"sweep-c{c}.json"])
+        with contextlib.redirect_stdout(io.StringIO()):  # its report tables
+            r = bench_serve(args)
         rows.append({"concurrency": c, "output_tok_s": r["output_throughput"],
                      "per_stream_tok_s": r["output_throughput"] / c,
                      "median_ttft_ms": r["median_ttft_ms"],
@@ -235,7 +240,7 @@ def main() -> None:
         server = CpuServer(model_dir, "--max-model-len", "1024",
                            "--structured-outputs-config",
                            '{"backend": "xgrammar", "disable_any_whitespace": true}',
-                           log=args.out / "server.log")
+                           log=args.out / "server.log", step_tokens=None)
         args.model = args.tokenizer = str(model_dir)
         args.concurrency, args.input_len, args.output_len = [1, 2], 48, 8
         args.agents, args.turns = 2, 2
