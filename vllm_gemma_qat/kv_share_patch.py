@@ -42,31 +42,7 @@ _building_for_gemma_qat = contextvars.ContextVar("building_for_gemma_qat",
 def install() -> None:
     """Patch the Gemma 4 JAX module now if it is imported, else right after
     its import (importing it eagerly would cost every vLLM process ~8 s)."""
-    module = sys.modules.get(TARGET_MODULE)
-    if module is not None:
-        apply(module)
-    elif not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchAfterImport())
-
-
-class _PatchAfterImport:
-    """meta_path finder that lets the normal import run, then applies()."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != TARGET_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_apply(module):
-            exec_module(module)
-            apply(module)
-
-        spec.loader.exec_module = exec_then_apply
-        return spec
+    substitute.after_import(TARGET_MODULE, apply)
 
 
 # tpu-inference releases whose Gemma 4 has the structure this patch expects

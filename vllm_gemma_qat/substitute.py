@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -92,6 +94,47 @@ def installed(target: str) -> bool:
     """Whether a substitution for `target` is in place now."""
     owner, name = Substitution(target, None, "").resolve()
     return getattr(getattr(owner, name), _MARK, None) == target
+
+
+def after_import(module_name: str, callback: Callable) -> None:
+    """Call `callback(module)` now if `module_name` is imported, else right
+    after its import: patching a tpu-inference module must not import it
+    (importing the model modules eagerly would cost every vLLM process
+    seconds). Idempotent per (module, callback)."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        callback(module)
+        return
+    for finder in sys.meta_path:
+        if isinstance(finder, _AfterImport) and finder.name == module_name:
+            if callback not in finder.callbacks:
+                finder.callbacks.append(callback)
+            return
+    sys.meta_path.insert(0, _AfterImport(module_name, [callback]))
+
+
+class _AfterImport:
+    """meta_path finder that lets the normal import run, then calls back."""
+
+    def __init__(self, name: str, callbacks: list[Callable]):
+        self.name, self.callbacks = name, callbacks
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_call_back(module):
+            exec_module(module)
+            for callback in self.callbacks:
+                callback(module)
+
+        spec.loader.exec_module = exec_then_call_back
+        return spec
 
 
 def describe(table: list[Substitution]) -> str:
