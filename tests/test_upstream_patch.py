@@ -1,6 +1,7 @@
-"""patches/ fixes #3225 in tpu-inference itself: applied to a copy of the
-installed (pinned) tpu-inference, stock `auto` loads both layouts with no
-plugin, the patch's own tests pass, and the plugin steps aside."""
+"""patches/ fixes tpu-inference itself (#3225; image steps): applied to a
+copy of the installed (pinned) tpu-inference, stock `auto` loads both
+layouts with no plugin, each patch's own tests pass, and the plugin steps
+aside."""
 import importlib.metadata
 import importlib.util
 import os
@@ -18,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PATCHES = sorted((ROOT / "patches").glob("*.patch"))
 PINNED = "0.32.0"
 UPSTREAM_TESTS = "tests/models/jax/test_gemma4_kv_share.py"
+IMAGE_PATCH = ROOT / "patches" / ("0002-Gemma4-Image-steps-keep-token-ids-"
+                                  "with-the-embeddings.patch")
+IMAGE_TESTS = "tests/models/jax/test_gemma4_mm_inputs.py"
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +54,16 @@ def appended_tests(patch_text: str, path: str) -> str:
     diff = diff.split("\ndiff --git ", 1)[0]
     last_hunk = diff.rsplit("\n@@ ", 1)[1].split("\n", 1)[1]
     return "".join(line[1:] + "\n" for line in last_hunk.splitlines()
+                   if line.startswith("+"))
+
+
+def new_file(patch_text: str, path: str) -> str:
+    """The content of a file the patch creates."""
+    diff = patch_text.split(f"diff --git a/{path} b/{path}\n", 1)[1]
+    diff = diff.split("\ndiff --git ", 1)[0]
+    assert "new file mode" in diff.split("\n@@ ", 1)[0], path
+    body = diff.split("\n@@ ", 1)[1].split("\n", 1)[1]
+    return "".join(line[1:] + "\n" for line in body.splitlines()
                    if line.startswith("+"))
 
 
@@ -109,3 +123,17 @@ def test_plugin_detects_fixed_tpu_inference_and_still_loads(patched, tiny_models
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "ok plugin gemma_qat e2b qat" in out.stdout
     assert "tpu-inference already builds no K/V" in out.stdout + out.stderr
+
+
+def test_image_patch_own_tests_pass_against_patched_copy(patched):
+    text = IMAGE_PATCH.read_text()
+    for path in ("tpu_inference/runner/tpu_runner.py",
+                 "tpu_inference/runner/compilation_manager.py",
+                 "tpu_inference/models/jax/gemma4_mm.py"):
+        assert f"diff --git a/{path} b/{path}" in text
+    file = patched / IMAGE_TESTS
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(new_file(text, IMAGE_TESTS))
+    out = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", file], patched)
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "7 passed" in out.stdout

@@ -11,6 +11,9 @@ of `substitutions()` in this order:
 - `attention_interface.ragged_paged_attention`: the Pallas kernel, by
   `attention.ragged_paged_attention` (pure JAX, same cache layout and
   semantics, per device: tpu-inference's own shard_map runs around it).
+- `attention_interface.flash_attention`: the Pallas flash attention that
+  Gemma 4's vision tower runs (through `sharded_flash_attention`), by
+  `flash_attention.flash_attention` (pure JAX, per device).
 - `linear.gmm_v2`: tokamax's int4 matmul kernel, by `gmm.gmm`.
 - `tpu_runner.make_optimized_mesh`: a mesh from CPU devices (the original
   sorts devices by TPU coordinates).
@@ -74,11 +77,16 @@ def kernel_substitutions() -> list:
     """The TPU-only kernels, by pure-JAX equivalents."""
     from vllm_gemma_qat.substitute import Substitution
     from vllm_gemma_qat.cpu.attention import ragged_paged_attention
+    from vllm_gemma_qat.cpu.flash_attention import flash_attention
     from vllm_gemma_qat.cpu.gmm import gmm
     return [
         Substitution("tpu_inference.layers.common.attention_interface:"
                      "ragged_paged_attention", ragged_paged_attention,
                      "the Pallas ragged paged attention kernel is TPU-only"),
+        Substitution("tpu_inference.layers.common.attention_interface:"
+                     "flash_attention", flash_attention,
+                     "the Pallas flash attention kernel (Gemma 4's vision "
+                     "tower) is TPU-only"),
         Substitution("tpu_inference.layers.common.linear:gmm_v2", gmm,
                      "tokamax's int4 (wNa16) matmul kernel is TPU-only"),
     ]
