@@ -233,3 +233,28 @@ def test_plan_per_chip_under_tensor_parallelism(tmp_path):
         one["kv_bytes_per_token"] // 2
     rc, out, _ = cli("plan", e4b, "--tp", 4, "--agents", 32)
     assert rc == 0 and "per chip (TP=4;" in out
+
+
+def test_images_in_inspect_and_plan(tiny_models):
+    # The vision tower's bytes summed here from the shard itself; tokens
+    # per image from the config (vLLM budgets each image at the tower's
+    # default_output_length soft tokens, plus boi / eoi).
+    from safetensors import safe_open
+    path = tiny_models.checkpoint("e2b", True, "qat")
+    config = json.loads((path / "config.json").read_text())
+    with safe_open(path / "model.safetensors", "np") as f:
+        vision = sum(f.get_tensor(n).nbytes for n in f.keys()
+                     if ".vision_tower." in n or ".embed_vision." in n)
+    tokens = config["vision_config"]["default_output_length"] + 2
+    rc, s = inspect_json(path)
+    assert rc == 0 and vision > 0
+    assert (s["vision_tower_bytes"], s["tokens_per_image"]) == (vision, tokens)
+    rc, out, _ = cli("plan", path, "--context", 256, "--images", 3, "--json")
+    p = json.loads(out)
+    assert p["vision_tower_bytes"] == vision
+    assert p["kv_bytes_per_image"] == tokens * p["kv_bytes_per_token"]
+    assert p["images_per_agent"] == 3
+    rc, out, _ = cli("plan", path, "--context", 256, "--images", 3)
+    assert f"3 images per agent take {3 * tokens} of its 256" in out
+    rc, s = inspect_json(tiny_models.checkpoint("e4b", False, "qat"))
+    assert s["tokens_per_image"] is None and s["vision_tower_bytes"] == 0

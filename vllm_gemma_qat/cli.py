@@ -96,6 +96,9 @@ def inspect_summary(ckpt, report: geometry.CheckpointReport) -> dict:
         "loads_with_gemma_qat": report.loads_with_gemma_qat,
         "loads_with_auto": report.loads_with_auto,
         "auto_reason": _auto_reason(report),
+        "vision_tower_bytes": sum(i.nbytes for n, i in ckpt.tensors.items()
+                                  if plan.is_vision_tensor(n)),
+        "tokens_per_image": plan.soft_tokens_per_image(ckpt.config),
     }
 
 
@@ -134,6 +137,10 @@ def _print_inspect(s: dict) -> None:
               f"grid" + "".join(f"\n  off grid: {m}" for m in off))
     print("weights       " + ", ".join(
         f"{d} {_gb(n)}" for d, n in sorted(s["weight_bytes_by_dtype"].items())))
+    if s["tokens_per_image"]:
+        print(f"images        vision tower {_gb(s['vision_tower_bytes'])}; up "
+              f"to {s['tokens_per_image']} tokens of context per image (soft "
+              "tokens + boi/eoi; `plan --images N` for their KV)")
     yes = {True: "yes", False: "no"}
     print(f"verdict       loads with --load-format gemma_qat: "
           f"{yes[s['loads_with_gemma_qat']]}; with stock auto: "
@@ -200,14 +207,14 @@ def _plan_inputs(target: str):
         tensors = {n: (2 * checkpoint.numel(s), checkpoint.numel(s))
                    for n, s in geo.expected("").items()}
         return (geo, plan.Weights(tensors), "bf16 assumed",
-                "config (language model only)")
+                "config (language model only)", config)
     ckpt, report = _open(target, remote_ok=True)
     if report.export_kind == "qat-w4a16-ct":
         raise CheckpointError(
             f"{target}: plan takes a bf16 export (regular or QAT bf16); pass "
             "--weights int4 for the 4-bit figure")
     skipped = set(report.skipped)
-    tensors, other, dtypes = {}, 0, set()
+    tensors, other, vision, dtypes = {}, 0, 0, set()
     for name, info in ckpt.tensors.items():
         if name in skipped or ".audio_tower." in name or ".embed_audio." in name:
             continue
@@ -216,8 +223,9 @@ def _plan_inputs(target: str):
             tensors[name.removeprefix(report.prefix)] = (info.nbytes, info.numel)
         else:
             other += info.nbytes
-    return (report.geometry, plan.Weights(tensors, other),
-            ", ".join(sorted(dtypes)), "checkpoint headers")
+            vision += info.nbytes if plan.is_vision_tensor(name) else 0
+    return (report.geometry, plan.Weights(tensors, other, vision),
+            ", ".join(sorted(dtypes)), "checkpoint headers", ckpt.config)
 
 
 def _load_json(p: Path) -> dict:
@@ -228,11 +236,13 @@ def _load_json(p: Path) -> dict:
 
 
 def cmd_plan(args) -> int:
-    geo, weights, dtypes, source = _plan_inputs(args.target)
+    geo, weights, dtypes, source, config = _plan_inputs(args.target)
     p = plan.make_plan(geo, weights, agents=args.agents,
                        context=args.context, kv_dtype=args.kv_dtype,
                        hbm_gib=args.hbm_gib, utilization=args.utilization,
-                       form=args.weights, tp=args.tp)
+                       form=args.weights, tp=args.tp,
+                       tokens_per_image=plan.soft_tokens_per_image(config),
+                       images_per_agent=args.images)
     dtypes = ("int4 linears, the rest as loaded" if args.weights == "int4"
               else dtypes)
     if args.json:
@@ -263,6 +273,18 @@ def cmd_plan(args) -> int:
           f"  {'fits' if p.fits_swa else 'does NOT fit'}; max "
           f"{p.max_agents_at_context_swa} agents, max "
           f"{p.max_context_for_agents_swa} tokens")
+    if p.tokens_per_image:
+        tower = (f"; vision tower {_gb(p.vision_tower_bytes)}, whole on "
+                 "every chip" if p.vision_tower_bytes else "")
+        print(f"images        up to {p.tokens_per_image} tokens each (soft "
+              f"tokens + boi/eoi): {p.kv_bytes_per_image / 1024:g} KiB of KV"
+              f"{tower}")
+        if p.images_per_agent:
+            n = p.images_per_agent * p.tokens_per_image
+            print(f"  {p.images_per_agent} images per agent take {n} of its "
+                  f"{args.context} context tokens "
+                  f"({_gb(p.images_per_agent * p.kv_bytes_per_image)} of KV "
+                  "per agent)")
     return 0 if p.fits else 1
 
 
@@ -328,6 +350,9 @@ def main(argv=None) -> int:
                    help="vLLM --gpu-memory-utilization, in (0, 1]")
     p.add_argument("--weights", choices=["bf16", "int4"], default="bf16",
                    help="int4: the linears as the w4a16 export holds them")
+    p.add_argument("--images", type=_non_negative, default=0,
+                   help="images per agent: the context tokens and KV they "
+                   "take (multimodal exports)")
     p.add_argument("--tp", type=_positive(int), default=1,
                    help="chips in the slice, as vLLM --tensor-parallel-size "
                    "(v6e-4: 4, v6e-8: 8); the figures are per chip")
@@ -361,6 +386,13 @@ def _positive(kind):
         return value
     parse.__name__ = kind.__name__
     return parse
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def _fraction(text: str) -> float:

@@ -47,12 +47,31 @@ def split_under_tp(name: str) -> bool:
     return name.removesuffix(".weight").endswith(SPLIT_UNDER_TP)
 
 
+VISION_PREFIXES = (".vision_tower.", ".embed_vision.")
+
+
+def is_vision_tensor(name: str) -> bool:
+    return any(p in name for p in VISION_PREFIXES)
+
+
+def soft_tokens_per_image(config: dict) -> int | None:
+    """The most KV positions one image takes: the vision tower's
+    `default_output_length` soft tokens (vLLM's Gemma 4 budgets each image
+    at that), plus its begin / end-of-image tokens. None without a vision
+    tower."""
+    vision = config.get("vision_config")
+    if not vision:
+        return None
+    return vision.get("default_output_length", 280) + 2
+
+
 @dataclass(frozen=True)
 class Weights:
     """What the chips hold: language-model tensors (name relative to the
     language model -> (bytes as loaded, elements)) and other bytes (towers)."""
     tensors: dict[str, tuple[int, int]]
     other_bytes: int = 0
+    vision_bytes: int = 0  # the part of other_bytes that is the vision tower
 
     def per_chip(self, geo: Geometry, form: str, tp: int) -> tuple[int, int]:
         """(bytes in all, bytes on each chip); `form` "int4": linears as
@@ -90,6 +109,10 @@ class Plan:
     max_context_for_agents: int
     max_context_for_agents_swa: int
     context_limit: int | None  # the model's max_position_embeddings
+    vision_tower_bytes: int  # whole on every chip
+    tokens_per_image: int | None  # KV positions, boi / eoi included
+    images_per_agent: int
+    kv_bytes_per_image: int | None  # per chip
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -98,7 +121,8 @@ class Plan:
 def make_plan(geo: Geometry, weights: Weights, *, agents: int,
               context: int, kv_dtype: str = "bf16", hbm_gib: float = 32.0,
               utilization: float = 0.9, form: str = "bf16",
-              tp: int = 1) -> Plan:
+              tp: int = 1, tokens_per_image: int | None = None,
+              images_per_agent: int = 0) -> Plan:
     own = [i for i in range(geo.num_layers) if i not in geo.kv_share_map]
     per_layer = {i: kv_bytes_per_layer_token(geo, i, kv_dtype, tp)
                  for i in own}
@@ -146,4 +170,9 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
         if agents else 0,
         max_context_for_agents_swa=within_limit(max_ctx_swa),
         context_limit=limit,
+        vision_tower_bytes=weights.vision_bytes,
+        tokens_per_image=tokens_per_image,
+        images_per_agent=images_per_agent,
+        kv_bytes_per_image=tokens_per_image * per_token
+        if tokens_per_image else None,
     )
