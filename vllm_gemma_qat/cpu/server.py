@@ -37,7 +37,8 @@ class CpuServer:
 
     def __init__(self, model: str | Path, *extra_args: str, log: Path,
                  port: int | None = None, startup_timeout: float = 600,
-                 devices: int = 1, step_tokens: int | None = STEP_TOKENS):
+                 devices: int = 1, step_tokens: int | None = STEP_TOKENS,
+                 env: dict[str, str] | None = None):
         self.model, self.log = str(model), Path(log)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -53,10 +54,12 @@ class CpuServer:
         self.step_tokens = step_tokens
         self.startup_timeout = startup_timeout
         self.devices = devices  # CPU devices JAX offers (for TP / DP > 1)
+        self.env = env or {}  # added to the server's environment
         self.process = None
 
     def __enter__(self) -> "CpuServer":
-        env = dict(os.environ, **{CPU_MODE_ENV: "1", "JAX_PLATFORMS": "cpu"})
+        env = dict(os.environ, **{CPU_MODE_ENV: "1", "JAX_PLATFORMS": "cpu"},
+                   **self.env)
         # tpu-inference compiles every padding bucket at start-up (~35 s on
         # CPU for nothing a test uses); shapes are compiled when first used.
         env.setdefault("SKIP_JAX_PRECOMPILE", "1")

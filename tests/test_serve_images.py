@@ -1,0 +1,195 @@
+"""Images through `vllm serve --load-format gemma_qat` (CPU mode): a tiny
+multimodal QAT checkpoint with its processor files, chat requests with a
+PNG as a `data:` URI, answers against transformers'
+`Gemma4ForConditionalGeneration` greedy on the same processor, image and
+chat template; bad image input is a 4xx and the engine keeps serving."""
+import base64
+import concurrent.futures
+import json
+import time
+import urllib.error
+
+import pytest
+
+from harness import complete, hf_greedy
+from vllm_gemma_qat.cpu.server import CpuServer
+from vllm_gemma_qat.testing import tiny_mm
+
+pytestmark = pytest.mark.xdist_group("serve_images")
+
+IMAGE_ARGS = ("--limit-mm-per-prompt", '{"image": 1, "video": 0}',
+              "--disable-chunked-mm-input")
+# An image's 70 soft-token budget must fit one step (chunked MM input off).
+STEP_TOKENS = 128
+# A per-image pixel limit as a server sets it (vLLM checks it on the
+# image's header; its default, 179M pixels, is PIL's own bomb limit, which
+# fires first and surfaces as a 500: see README, Limits).
+MAX_IMAGE_PIXELS = 1024 * 1024
+MM_TOKEN_IDS = set(tiny_mm.token_ids().values())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from transformers import AutoProcessor
+    root = tmp_path_factory.mktemp("serve-images")
+    hf = tiny_mm.save_servable_mm(root / "model")
+    processor = AutoProcessor.from_pretrained(root / "model")
+    with CpuServer(root / "model", *IMAGE_ARGS, log=root / "server.log",
+                   step_tokens=STEP_TOKENS,
+                   env={"VLLM_MAX_IMAGE_PIXELS": str(MAX_IMAGE_PIXELS)}) \
+            as server:
+        yield server, hf, processor, root / "model"
+
+
+def image_chat(server, model, image_uri, text="What is in the image?", n=8,
+               **extra):
+    return server.post("/v1/chat/completions", {
+        "model": str(model), "temperature": 0, "max_tokens": n,
+        "ignore_eos": True, "return_token_ids": True, "messages": [{
+            "role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": image_uri}},
+                {"type": "text", "text": text}]}], **extra})
+
+
+def text_only(tokens):
+    """The reference must not emit an image / audio token: transformers
+    reads one in its input as a placeholder (pad in the per-layer lookup),
+    vLLM as text; a random model may pick one, so the prompts here are
+    chosen not to, and this says so if that changes."""
+    assert not MM_TOKEN_IDS & set(tokens), tokens
+    return tokens
+
+
+def hf_reference(hf, processor, seed, text="What is in the image?", n=8):
+    messages = [{"role": "user", "content": [
+        {"type": "image", "image": tiny_mm.png_image(seed)},
+        {"type": "text", "text": text}]}]
+    prompt_ids, tokens = tiny_mm.hf_image_greedy(hf, processor, messages, n)
+    return prompt_ids, text_only(tokens)
+
+
+def test_image_answer_equals_transformers(served):
+    server, hf, processor, model = served
+    r = image_chat(server, model, tiny_mm.png_data_uri(1))
+    prompt_ids, tokens = hf_reference(hf, processor, 1)
+    assert r["prompt_token_ids"] == prompt_ids
+    assert r["choices"][0]["token_ids"] == tokens
+
+
+def test_two_images_give_different_answers(served):
+    server, hf, processor, model = served
+    answers = []
+    for seed in (1, 2):
+        r = image_chat(server, model, tiny_mm.png_data_uri(seed), n=8,
+                       logprobs=True, top_logprobs=1)
+        _, tokens = hf_reference(hf, processor, seed)
+        assert r["choices"][0]["token_ids"] == tokens
+        answers.append([t["logprob"] for t in
+                        r["choices"][0]["logprobs"]["content"]])
+    assert answers[0] != answers[1]
+
+
+def test_text_decoding_beside_an_image_prefill_is_unchanged(served):
+    # The bug this guards: a step carrying image embeddings computed every
+    # token of the step with token id 0's per-layer inputs, so a text
+    # request decoding in that step changed.
+    server, hf, _, model = served
+    prompt, n = "A text request decoding next to an image.", 48
+
+    def text_run():
+        r = server.post("/v1/completions", {
+            "model": str(model), "prompt": prompt, "max_tokens": n,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "logprobs": 1})
+        choice = r["choices"][0]
+        return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+    solo_tokens, solo_logprobs = text_run()
+    before = server.metrics().get("vllm:prompt_tokens_total", 0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        text = pool.submit(text_run)
+        # Let the text request reach its decode phase, then send the image.
+        deadline = time.time() + 120
+        while (server.metrics().get("vllm:generation_tokens_total", 0) == 0
+               or server.metrics().get("vllm:num_requests_running", 0) < 1):
+            assert time.time() < deadline
+            time.sleep(0.05)
+        image = pool.submit(image_chat, server, model,
+                            tiny_mm.png_data_uri(3))
+        tokens, logprobs = text.result()
+        image.result()
+    # Both prompts went through the engine while the text request ran.
+    assert server.metrics()["vllm:prompt_tokens_total"] > before
+    assert tokens == solo_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, solo_logprobs)) < 1e-3
+
+
+def test_text_after_images_is_unchanged(served):
+    server, hf, _, model = served
+    prompt_ids, tokens = complete(server, model, "Text after the images.",
+                                  n=12)
+    assert tokens == text_only(hf_greedy(hf, prompt_ids, 12))
+
+
+def _status(server, body):
+    try:
+        server.post("/v1/chat/completions", body)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+    return 200, {}
+
+
+def _chat_body(model, *parts):
+    return {"model": str(model), "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": [
+                *parts, {"type": "text", "text": "Describe it."}]}]}
+
+
+def _image_part(uri):
+    return {"type": "image_url", "image_url": {"url": uri}}
+
+
+def _png_declaring(width, height):
+    """A PNG whose header declares width x height (its pixel data never
+    decoded): what vLLM's per-image pixel limit is checked on."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    data = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+            + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize("case", [
+    "audio", "truncated_png", "bad_base64", "too_many_images",
+    "image_too_large"])
+def test_bad_image_input_is_a_4xx_and_the_engine_stays_up(served, case):
+    server, hf, processor, model = served
+    png = base64.b64decode(tiny_mm.png_data_uri(1).split(",", 1)[1])
+    parts = {
+        "audio": [{"type": "input_audio", "input_audio": {
+            "data": base64.b64encode(b"RIFF" + bytes(64)).decode(),
+            "format": "wav"}}],
+        "truncated_png": [_image_part(
+            "data:image/png;base64,"
+            + base64.b64encode(png[:len(png) // 2]).decode())],
+        "bad_base64": [_image_part("data:image/png;base64,@@not-base64@@")],
+        "too_many_images": [_image_part(tiny_mm.png_data_uri(1)),
+                            _image_part(tiny_mm.png_data_uri(2))],
+        "image_too_large": [_image_part(_png_declaring(2048, 1024))],
+    }[case]
+    code, body = _status(server, _chat_body(model, *parts))
+    assert 400 <= code < 500, (code, body)
+    message = json.dumps(body).lower()
+    expect = {"audio": "audio", "truncated_png": "image",
+              "bad_base64": "base64", "too_many_images": "at most 1",
+              "image_too_large": "exceed the maximum"}[case]
+    assert expect in message, body
+    # The engine is still up and answers as before.
+    r = image_chat(server, model, tiny_mm.png_data_uri(1))
+    assert r["choices"][0]["token_ids"] == hf_reference(hf, processor, 1)[1]
