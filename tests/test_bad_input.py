@@ -47,14 +47,7 @@ def test_vllm_serve_fails_fast_with_the_named_error(qat_copy):
     config = json.loads(config_file.read_text())
     config["text_config"]["num_kv_shared_layers"] = 4  # checkpoint has 5
     config_file.write_text(json.dumps(config))
-    env = dict(os.environ, **CPU_ENV, VLLM_GEMMA_QAT_CPU_MODE="1")
-    vllm = Path(sys.executable).with_name("vllm")
-    start = time.monotonic()
-    out = subprocess.run([vllm, "serve", qat_copy, "--load-format", "gemma_qat",
-                          "--max-model-len", "256"], env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         timeout=600)
-    print(f"vllm serve ended after {time.monotonic() - start:.1f} s")
+    out = _vllm_serve(qat_copy)
     assert out.returncode != 0
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("vllm_gemma_qat.checkpoint.CheckpointError: ")
@@ -62,3 +55,53 @@ def test_vllm_serve_fails_fast_with_the_named_error(qat_copy):
         "for 5 of 10 layers" in last
     assert f"`vllm-gemma-qat inspect {qat_copy}` shows the full report" in last
     assert "EngineCore" not in out.stdout
+
+
+def _vllm_serve(model, *args):
+    env = dict(os.environ, **CPU_ENV, VLLM_GEMMA_QAT_CPU_MODE="1")
+    vllm = Path(sys.executable).with_name("vllm")
+    start = time.monotonic()
+    out = subprocess.run([vllm, "serve", model, "--load-format", "gemma_qat",
+                          "--max-model-len", "256", *args], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         timeout=600)
+    print(f"vllm serve ended after {time.monotonic() - start:.1f} s")
+    return out
+
+
+def test_int4_groups_tp_cannot_split_fail_fast(tmp_path):
+    # The tiny model's down_proj has 128 inputs: 4 int4 groups, which 8
+    # chips cannot split (tpu-inference would end in a raw JAX
+    # IndivisibleError while sharding the scales). Named before any engine
+    # starts; `plan --tp` says the same.
+    from vllm_gemma_qat.testing import tiny
+    model = tmp_path / "w4a16"
+    tiny.save_servable_int4(model, "w4a16", "e2b", multimodal=False)
+    out = _vllm_serve(model, "--tensor-parallel-size", "8")
+    assert out.returncode != 0
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("vllm_gemma_qat.checkpoint.CheckpointError: "
+                           "model.language_model.layers.0.mlp.down_proj: 4 "
+                           "int4 groups of 32 input columns do not split over "
+                           "--tensor-parallel-size 8"), last
+    assert "EngineCore" not in out.stdout and "IndivisibleError" not in out.stdout
+    cli = Path(sys.executable).with_name("vllm-gemma-qat")
+    plan = subprocess.run([cli, "plan", _bf16_twin(tmp_path),
+                           "--weights", "int4", "--tp", "8", "--context",
+                           "256"], capture_output=True, text=True)
+    assert plan.returncode == 1
+    assert ("does NOT load at int4: model.language_model.layers.0.mlp."
+            "down_proj: 4 int4 groups") in plan.stdout
+    plan = subprocess.run([cli, "plan", _bf16_twin(tmp_path),
+                           "--weights", "int4", "--tp", "4", "--context",
+                           "256"], capture_output=True, text=True)
+    assert plan.returncode == 0 and "does NOT" not in plan.stdout
+
+
+def _bf16_twin(tmp_path):
+    """The same tiny geometry as a bf16 checkpoint (plan takes bf16)."""
+    from vllm_gemma_qat.testing import tiny
+    path = tmp_path / "bf16"
+    if not path.exists():
+        tiny.save_checkpoint(tiny.build_model("e2b", False), path)
+    return path

@@ -145,3 +145,31 @@ def test_packed_module_incomplete_or_also_bf16(tmp_path):
         extra={f"{module}.weight": ("BF16", (1536, 6144))}))
     assert report.errors() == [f"unexpected tensor {module}.weight (the module "
                                "is also pack-quantized)"]
+
+
+@pytest.mark.parametrize("name", ["e2b", "e4b"])
+def test_real_int4_geometries_split_over_up_to_8_chips(tmp_path, name):
+    # Every row-parallel input (o_proj 2048 / 4096, down_proj 6144 / 12288 /
+    # 10240 columns) holds a multiple of 8 groups of 32.
+    report = check(synthetic.write_header_only(tmp_path / name, name))
+    linears = set(report.geometry.linear_modules(report.prefix))
+    for tp in (2, 4, 8):
+        assert geometry.int4_groups_indivisible(
+            report.geometry, report.prefix, linears, tp) == []
+        geometry.check_tensor_parallel(report, linears, tp)
+    bad = geometry.int4_groups_indivisible(report.geometry, report.prefix,
+                                           linears, 128)
+    assert bad and all(".o_proj" in b or ".down_proj" in b for b in bad)
+
+
+def test_indivisible_int4_groups_name_module_groups_and_tp(tmp_path):
+    report = check(synthetic.write_header_only(tmp_path / "e2b", "e2b"))
+    down = LM + "layers.0.mlp.down_proj"  # 6144 inputs: 192 groups
+    q = LM + "layers.0.self_attn.q_proj"  # column-parallel: not checked
+    with pytest.raises(CheckpointError, match=rf"^{down}: 192 int4 groups of "
+                       r"32 input columns do not split over "
+                       r"--tensor-parallel-size 128; serve it"):
+        geometry.check_tensor_parallel(report, {down, q}, 128)
+    geometry.check_tensor_parallel(report, {down}, 64)  # 192 = 3 x 64
+    # bf16 modules (not in the int4 set) are not constrained.
+    geometry.check_tensor_parallel(report, {q}, 128)

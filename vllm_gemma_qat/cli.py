@@ -245,10 +245,17 @@ def cmd_plan(args) -> int:
                        images_per_agent=args.images)
     dtypes = ("int4 linears, the rest as loaded" if args.weights == "int4"
               else dtypes)
+    indivisible = _int4_tp_indivisible(geo, args.tp) \
+        if args.weights == "int4" else []
+    ok = p.fits and not indivisible
     if args.json:
         print(json.dumps(p.as_dict() | {"weights_from": source,
-                                        "weight_dtypes": dtypes}, indent=1))
-        return 0 if p.fits else 1
+                                        "weight_dtypes": dtypes,
+                                        "int4_tp_indivisible": indivisible},
+                         indent=1))
+        return 0 if ok else 1
+    for line in indivisible:
+        print(f"tp            does NOT load at int4: {line}")
     kib = p.kv_bytes_per_token / 1024
     chips = f" per chip (TP={p.tp}; {_gb(p.weight_bytes)} in all)" \
         if p.tp > 1 else ""
@@ -285,7 +292,17 @@ def cmd_plan(args) -> int:
                   f"{args.context} context tokens "
                   f"({_gb(p.images_per_agent * p.kv_bytes_per_image)} of KV "
                   "per agent)")
-    return 0 if p.fits else 1
+    return 0 if ok else 1
+
+
+def _int4_tp_indivisible(geo, tp: int) -> list[str]:
+    """Under the w4a16 export's scheme, the int4 modules `tp` chips cannot
+    split (their scale groups along a row-parallel input)."""
+    prefix = "model.language_model."
+    scheme = quantization.w4a16_quantization_config()
+    int4 = {m for m in geo.linear_modules(prefix)
+            if quantization.quantizes(scheme, m)}
+    return geometry.int4_groups_indivisible(geo, prefix, int4, tp)
 
 
 def cmd_int4_overrides(args) -> int:

@@ -419,6 +419,54 @@ def fused_partner(module: str) -> str | None:
     return None
 
 
+# Linears whose input dim tensor parallelism splits: their int4 scale groups
+# (one per 32 input columns) are split across the chips with it.
+ROW_PARALLEL = (".self_attn.o_proj", ".mlp.down_proj")
+
+
+def int4_groups_indivisible(geo: Geometry, prefix: str,
+                            int4_modules: set[str], tp: int) -> list[str]:
+    """The int4 row-parallel modules whose scale groups do not divide by
+    the tensor-parallel size (tpu-inference 0.32 then fails deep in its
+    weight sharding with a raw JAX IndivisibleError)."""
+    if tp <= 1:
+        return []
+    shapes = geo.expected(prefix)
+    out = []
+    for module in sorted(int4_modules):
+        if module.endswith(ROW_PARALLEL):
+            groups = shapes[module + ".weight"][1] // GROUP_SIZE
+            if groups % tp:
+                out.append(f"{module}: {groups} int4 groups of {GROUP_SIZE} "
+                           f"input columns do not split over "
+                           f"--tensor-parallel-size {tp}")
+    return out
+
+
+def check_tensor_parallel(report: "CheckpointReport", int4_modules: set[str],
+                          tp: int) -> None:
+    """One CheckpointError naming the first int4 module that `tp` chips
+    cannot split (see int4_groups_indivisible)."""
+    bad = int4_groups_indivisible(report.geometry, report.prefix,
+                                  int4_modules, tp)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CheckpointError(
+            f"{bad[0]}{more}; serve it with a tensor-parallel size that "
+            "divides the group count, or keep the module bf16")
+
+
+def bf16_linears_to_int4(report: "CheckpointReport",
+                         quant: dict | None) -> set[str]:
+    """The bf16 linears a compressed-tensors `quant` config (e.g. from
+    --hf-overrides) makes int4 while loading: the -qat-q4_0-unquantized
+    export. None for an export already pack-quantized."""
+    if report.quantized or not quantization.is_compressed_tensors(quant):
+        return set()
+    return {m for m in report.geometry.linear_modules(report.prefix)
+            if quantization.quantizes(quant, m)}
+
+
 def gate_up_mismatches(linears, int4_modules: set[str]) -> list[str]:
     """tpu-inference fuses mlp.gate_proj and mlp.up_proj into one linear
     (quantized or not as a unit): both must be int4, or neither."""

@@ -33,8 +33,11 @@ class GemmaQatModelLoader(BaseModelLoader):
         report = geometry.check(ckpt)
         report.raise_if_invalid(path)
 
-        feed = weights.WeightFeed(report,
-                                  _int4_from_bf16(model_config, report))
+        int4_from_bf16 = _int4_from_bf16(model_config, report)
+        geometry.check_tensor_parallel(
+            report, set(report.quantized) | int4_from_bf16,
+            _tensor_parallel_size())
+        feed = weights.WeightFeed(report, int4_from_bf16)
         progress = getattr(self.load_config, "use_tqdm_on_load", True)
         loaded = model.load_weights(feed.tensors(ckpt, progress=progress))
         feed.verify(model, loaded, ckpt)
@@ -61,6 +64,11 @@ class GemmaQatModelLoader(BaseModelLoader):
                 shards["replicated"])
 
 
+def _tensor_parallel_size() -> int:
+    from vllm.config import get_current_vllm_config
+    return get_current_vllm_config().parallel_config.tensor_parallel_size
+
+
 def _int4_from_bf16(model_config, report) -> set[str]:
     """Linears to quantize while loading: the model config asks for
     compressed-tensors int4 (e.g. via --hf-overrides) but the checkpoint holds
@@ -68,11 +76,9 @@ def _int4_from_bf16(model_config, report) -> set[str]:
     quant = getattr(model_config.hf_config, "quantization_config", None)
     if quant is not None and not isinstance(quant, dict):
         quant = quant.to_dict()
-    if report.quantized or not quantization.is_compressed_tensors(quant):
-        return set()
-    linears = report.geometry.linear_modules(report.prefix)
-    chosen = {m for m in linears if quantization.quantizes(quant, m)}
-    mixed = geometry.gate_up_mismatches(linears, chosen)
+    chosen = geometry.bf16_linears_to_int4(report, quant)
+    mixed = geometry.gate_up_mismatches(
+        report.geometry.linear_modules(report.prefix), chosen)
     if mixed:
         raise checkpoint.CheckpointError("--hf-overrides quantization_config: "
                                          + "; ".join(mixed[:3]))

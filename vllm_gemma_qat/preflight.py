@@ -30,14 +30,17 @@ def check_before_engine(create_engine_config):
     def wrapped(self, *args, **kwargs):
         if getattr(self, "load_format", None) == LOAD_FORMAT:
             check_local_checkpoint(self.model, getattr(self, "revision", None),
-                                   getattr(self, "download_dir", None))
+                                   getattr(self, "download_dir", None),
+                                   getattr(self, "tensor_parallel_size", 1),
+                                   getattr(self, "hf_overrides", None))
         return create_engine_config(self, *args, **kwargs)
 
     return wrapped
 
 
 def check_local_checkpoint(model: str, revision: str | None = None,
-                           download_dir: str | None = None) -> None:
+                           download_dir: str | None = None, tp: int = 1,
+                           hf_overrides=None) -> None:
     try:
         path = checkpoint.resolve(model, revision, download_dir,
                                   allow_download=False)
@@ -46,7 +49,13 @@ def check_local_checkpoint(model: str, revision: str | None = None,
     except CheckpointError:
         return  # not (all) here yet: the engine downloads it, then checks
     try:
-        geometry.check(checkpoint.open_checkpoint(path)).raise_if_invalid(path)
+        report = geometry.check(checkpoint.open_checkpoint(path))
+        report.raise_if_invalid(path)
+        quant = (hf_overrides.get("quantization_config")
+                 if isinstance(hf_overrides, dict) else None)
+        geometry.check_tensor_parallel(
+            report, set(report.quantized)
+            | geometry.bf16_linears_to_int4(report, quant), tp)
     except CheckpointError as e:
         raise CheckpointError(f"{e} [`vllm-gemma-qat inspect {model}` shows "
                               "the full report]") from None
