@@ -13,10 +13,16 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices,
     around it. Returns (output (T, N, H), updated kv_cache)."""
     import jax
     import jax.numpy as jnp
-    from tpu_inference.kernels.ragged_paged_attention.v3.kernel import merge_kv
+    from tpu_inference.kernels.ragged_paged_attention.v3.kernel import (
+        merge_kv, static_validate_inputs)
 
-    if q_scale is not None:
-        raise NotImplementedError("CPU ragged paged attention: q_scale")
+    # The kernel's own input checks: its dtype rules (a floating KV cache,
+    # k / v in the cache's dtype; integer caches refused), shapes, flags.
+    static_validate_inputs(q, k, v, kv_cache, kv_lens, page_indices,
+                           cu_q_lens, distribution, sm_scale=sm_scale,
+                           sliding_window=sliding_window, soft_cap=soft_cap,
+                           q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                           use_causal_mask=use_causal_mask, **kernel_tuning)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
@@ -54,11 +60,19 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices,
     keys = kv[:, :, 0:2 * num_kv_heads:2, :head_dim].astype(jnp.float32)
     values = kv[:, :, 1:2 * num_kv_heads:2, :head_dim].astype(jnp.float32)
 
+    if q_scale is not None:
+        # As the kernel: q quantized to the cache's dtype (clipped to its
+        # range), the scale put back on the scores.
+        info = jnp.finfo(kv_cache.dtype)
+        q = jnp.clip(q / q_scale, float(info.min),
+                     float(info.max)).astype(kv_cache.dtype)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     scores = jnp.einsum("tkgh,tckh->tkgc", qg.astype(jnp.float32), keys,
                         preferred_element_type=jnp.float32) * sm_scale
     if k_scale is not None:
         scores = scores * k_scale
+    if q_scale is not None:
+        scores = scores * q_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     mask = (ctx[None, :] < kv_lens[seq][:, None]) & valid[:, None]

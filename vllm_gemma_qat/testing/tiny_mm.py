@@ -1,80 +1,131 @@
-"""Tiny multimodal Gemma 4 checkpoints that `vllm serve` answers images
-with: the tiny random model of `tiny.py` plus a Gemma 4 processor
-(tokenizer with Gemma 4's image / audio special tokens, image processor,
-chat template placing each image). Used by the image tests and the demo;
-nothing here is downloaded.
+"""A tiny multimodal Gemma 4 checkpoint that `vllm serve` accepts images for.
 
-A 32x32 image becomes 64 soft tokens: the processor upscales it to 384x384
-(the most that `max_soft_tokens` = 70 allows with 16-pixel patches pooled
-3x3), 24x24 patches, 8x8 after pooling.
+`tiny.save_servable` writes weights and a text tokenizer; images also need
+what Gemma 4's processors read: the multimodal special tokens (named on the
+tokenizer, their ids in config.json), an image-processor config and a chat
+template that puts an image where the chat has one. transformers'
+`AutoProcessor` (a `Gemma4Processor`) and vLLM's Gemma 4 multimodal
+processing (vllm/model_executor/models/gemma4_mm.py) both load the
+directory, so a vLLM chat answer can be compared with transformers' greedy
+decoding of the same chat. Nothing here is downloaded.
+
+Image geometry: tiny.py's vision tower keeps Gemma 4's patch size 16 and
+pooling kernel 3. Gemma 4's image processor only takes a soft-token budget
+in (70, 140, 280, 560, 1120); under 70 it resizes a square image of any
+size to 384x384 (24x24 patches, 8x8 after pooling), so a 32x32 PNG becomes
+SOFT_TOKENS = 64 soft tokens between BOI and EOI. vLLM (placeholders, the
+encoder budget) and tpu-inference (the vision output length) read the
+budget from the vision config's `default_output_length`, so that is 70 too:
+tiny.build_config's 16 is no budget the image processor accepts.
 """
 from __future__ import annotations
 
 import base64
 import io
-import json
 from pathlib import Path
 
 from vllm_gemma_qat.testing import tiny
 
-MAX_SOFT_TOKENS = 70  # the smallest budget Gemma4ImageProcessor accepts
-# Gemma 4's multimodal special tokens, as transformers' Gemma4Processor
-# reads them from the tokenizer (it refuses a tokenizer without the audio
-# ones even when no audio is sent). They take the first unused ids.
-MM_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>",
-             "eoi_token": "<image|>", "audio_token": "<|audio|>",
-             "boa_token": "<|audio>", "eoa_token": "<audio|>"}
-# Gemma's chat format (as tiny.CHAT_TEMPLATE) with content parts: an image
-# part becomes one image token, which both transformers' processor and
-# vLLM's Gemma 4 processing expand to boi + soft tokens + eoi.
+# Gemma 4's multimodal token strings, put on ids 262-268 of the 512-token
+# vocab: the first <unusedN> slots after tiny.py's 6 specials and 256 bytes,
+# so every other id keeps the token tiny.save_tokenizer gives it.
+# Gemma4Processor needs all of them: it refuses a tokenizer without the
+# audio ones even when no audio is sent, and adds <|video|> (past the vocab)
+# if the tokenizer lacks it.
+MM_TOKENS = {
+    "boi_token": "<|image>",
+    "eoi_token": "<image|>",
+    "image_token": "<|image|>",
+    "boa_token": "<|audio>",
+    "eoa_token": "<audio|>",
+    "audio_token": "<|audio|>",
+    "video_token": "<|video|>",
+}
+FIRST_MM_ID = len(tiny.SPECIAL_TOKENS) + 256
+MM_IDS = {name: FIRST_MM_ID + i for i, name in enumerate(MM_TOKENS)}
+
+MAX_SOFT_TOKENS = 70   # the smallest budget Gemma4ImageProcessor accepts
+IMAGE_SIZE = 32        # png_image's default side
+SOFT_TOKENS = 64       # soft tokens of a square image under MAX_SOFT_TOKENS
+
+# tiny.CHAT_TEMPLATE, plus content given as a list of parts (how vLLM hands
+# a chat to a template that loops over the content, and how transformers'
+# processors take images): an image part becomes one image token, which
+# both processors expand to BOI + soft tokens + EOI; a text part its trimmed
+# text. String content renders exactly as tiny.CHAT_TEMPLATE does.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
     "{{ '<start_of_turn>' + role + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] | trim }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<|image|>' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}"
-    "{% endfor %}{% endif %}"
+    "{% if message['content'] is string %}"
+    "{{ message['content'] | trim }}"
+    "{% else %}"
+    "{% for item in message['content'] %}"
+    "{% if item['type'] in ('image', 'image_url') %}"
+    "{{ '" + MM_TOKENS["image_token"] + "' }}"
+    "{% elif item['type'] == 'text' %}"
+    "{{ item['text'] | trim }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
     "{{ '<end_of_turn>\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
 
 
-def build_model(geometry: str = "e2b", seed: int = 0):
-    """`tiny.build_model` (multimodal) with the vision budget and the
-    special-token ids of this processor in its config."""
-    model = tiny.build_model(geometry, True, seed)
-    ids = token_ids()
-    config = model.config
-    config.vision_config.default_output_length = MAX_SOFT_TOKENS
-    config.image_token_id = ids["image_token"]
-    config.boi_token_id = ids["boi_token"]
-    config.eoi_token_id = ids["eoi_token"]
-    config.audio_token_id = ids["audio_token"]
-    config.boa_token_id = ids["boa_token"]
-    config.eoa_token_id = ids["eoa_token"]
+def save_servable_mm(path: str | Path, geometry: str = "e2b", seed: int = 0,
+                     form: str | None = None, layout: str = "qat"):
+    """`tiny.save_servable` (`tiny.save_servable_int4` for form "w4a16" or
+    "q4_0") of a multimodal model, plus the files its processors need.
+    Returns the transformers Gemma4ForConditionalGeneration (fp32, eval)
+    the checkpoint was written from (int4: the exact dequantized weights)."""
+    model = build_model(geometry, seed)
+    if form is None:
+        tiny.save_checkpoint(model, path, layout=layout)
+    elif layout != "qat":
+        raise ValueError("the int4 forms are QAT exports (layout 'qat')")
+    else:
+        grid = tiny.put_on_int4_grid(model, seed)
+        tiny.save_int4_checkpoint(model, path, grid, form)
+    save_processor(path)
     return model
 
 
 def token_ids() -> dict[str, int]:
-    first = len(tiny.SPECIAL_TOKENS) + 256  # after the bytes
-    return {name: first + i for i, name in enumerate(MM_TOKENS)}
+    """{"image_token": id, "boi_token": id, ...}: MM_IDS, by name."""
+    return dict(MM_IDS)
 
 
-def save_processor(path: str | Path) -> Path:
-    """Tokenizer (tiny.py's byte-level one plus MM_TOKENS), image
-    processor and chat template, as `AutoProcessor` and vLLM read them."""
+def build_model(geometry: str = "e2b", seed: int = 0):
+    """`tiny.build_model(geometry, True, seed)` with the tokenizer's
+    multimodal token ids and the image budget in its config (neither
+    changes a weight)."""
+    model = tiny.build_model(geometry, True, seed)
+    config = model.config
+    config.boi_token_id = MM_IDS["boi_token"]
+    config.eoi_token_id = MM_IDS["eoi_token"]
+    config.image_token_id = MM_IDS["image_token"]
+    config.boa_token_id = MM_IDS["boa_token"]
+    config.eoa_token_index = MM_IDS["eoa_token"]  # transformers' name
+    config.audio_token_id = MM_IDS["audio_token"]
+    config.video_token_id = MM_IDS["video_token"]
+    config.vision_config.default_output_length = MAX_SOFT_TOKENS
+    return model
+
+
+def build_tokenizer():
+    """tiny.save_tokenizer's byte-level tokenizer with MM_TOKENS on MM_IDS,
+    special (never split) and named the way transformers 5 names them
+    (`model_specific_special_tokens`: `tokenizer.image_token`,
+    `.image_token_id`, `.boi_token`, ...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from transformers.models.gemma4 import (Gemma4AudioFeatureExtractor,
-                                            Gemma4ImageProcessor,
-                                            Gemma4Processor,
-                                            Gemma4VideoProcessor)
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens = tiny.SPECIAL_TOKENS + byte_chars + list(MM_TOKENS.values())
+    tokens = tiny.SPECIAL_TOKENS + byte_chars
     tokens += [f"<unused{i}>" for i in range(tiny.VOCAB_SIZE - len(tokens))]
+    for name, token_id in MM_IDS.items():
+        tokens[token_id] = MM_TOKENS[name]
     backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
                                    merges=[], unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False,
@@ -83,65 +134,71 @@ def save_processor(path: str | Path) -> Path:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
         pad_token="<pad>", unk_token="<unk>",
-        additional_special_tokens=["<start_of_turn>", "<end_of_turn>"],
-        extra_special_tokens=MM_TOKENS)
+        extra_special_tokens=["<start_of_turn>", "<end_of_turn>",
+                              *MM_TOKENS.values()],
+        model_specific_special_tokens=MM_TOKENS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def save_processor(path: str | Path) -> Path:
+    """Write the tokenizer and a Gemma4Processor: its image processor with
+    the MAX_SOFT_TOKENS budget (patch size and pooling as the vision
+    tower's), audio and video processors at their defaults (it requires
+    all four) and CHAT_TEMPLATE."""
+    from transformers import (Gemma4AudioFeatureExtractor,
+                              Gemma4ImageProcessor, Gemma4Processor,
+                              Gemma4VideoProcessor)
     processor = Gemma4Processor(
         feature_extractor=Gemma4AudioFeatureExtractor(),
         image_processor=Gemma4ImageProcessor(max_soft_tokens=MAX_SOFT_TOKENS),
-        tokenizer=tokenizer, video_processor=Gemma4VideoProcessor(),
-        chat_template=CHAT_TEMPLATE, image_seq_length=MAX_SOFT_TOKENS)
+        tokenizer=build_tokenizer(),
+        video_processor=Gemma4VideoProcessor(),
+        chat_template=CHAT_TEMPLATE,
+        image_seq_length=SOFT_TOKENS)
     processor.save_pretrained(path)
-    # vLLM renders chat prompts with the tokenizer's own template.
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
+    # Gemma4Processor's __init__ re-adds <|video|> with a call that replaces
+    # the tokenizer's list of extra special tokens (they stay special, but
+    # the saved list would name only <|video|>): write the tokenizer again.
+    build_tokenizer().save_pretrained(path)
     return Path(path)
 
 
-def save_servable_mm(path: str | Path, geometry: str = "e2b", seed: int = 0,
-                     form: str | None = None, layout: str = "qat"):
-    """A multimodal model directory `vllm serve` answers images with: the
-    tiny checkpoint (QAT or regular layout; `form` "w4a16" / "q4_0" for an
-    int4 export, see `tiny.save_int4_checkpoint`) plus `save_processor`.
-    Returns the transformers model it was written from (for int4: holding
-    the exact dequantized weights)."""
-    model = build_model(geometry, seed)
-    if form is None:
-        tiny.save_checkpoint(model, path, layout=layout)
-    else:
-        grid = tiny.put_on_int4_grid(model, seed)
-        tiny.save_int4_checkpoint(model, path, grid, form)
-    save_processor(path)
-    return model
+# --- images -----------------------------------------------------------------
 
-
-def png_image(seed: int, size: int = 32):
-    """A deterministic random RGB image."""
+def png_image(seed_or_pixels=0, size: int = IMAGE_SIZE):
+    """A deterministic RGB PIL image: size x size random pixels from an int
+    seed, or the given (height, width, 3) uint8 array."""
     import numpy as np
     from PIL import Image
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3))
-    return Image.fromarray(pixels.astype(np.uint8), "RGB")
+    if isinstance(seed_or_pixels, int):
+        rng = np.random.default_rng(seed_or_pixels)
+        pixels = rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+    else:
+        pixels = np.asarray(seed_or_pixels, dtype=np.uint8)
+    return Image.fromarray(pixels, mode="RGB")
 
 
-def png_data_uri(seed: int, size: int = 32) -> str:
-    """`png_image(seed, size)` as a `data:image/png;base64,...` URI."""
+def png_data_uri(seed_or_pixels=0, size: int = IMAGE_SIZE) -> str:
+    """`png_image(seed_or_pixels, size)` as the `data:image/png;base64,...`
+    URI of a chat request's `image_url` (PNG is lossless: the server
+    decodes the very pixels png_image gives transformers)."""
     buffer = io.BytesIO()
-    png_image(seed, size).save(buffer, format="PNG")
+    png_image(seed_or_pixels, size).save(buffer, format="PNG")
     return ("data:image/png;base64,"
             + base64.b64encode(buffer.getvalue()).decode())
 
 
 def hf_image_greedy(hf_model, processor, messages, n: int):
-    """transformers' greedy answer to a chat with images: (prompt token
-    ids, the n generated token ids)."""
+    """transformers' greedy decoding of a chat whose content parts may be
+    {"type": "image", "image": PIL image}: the processor renders the chat
+    template and expands each image, then `generate`. Returns (prompt token
+    ids, generated token ids: n of them, fewer if it stops at EOS)."""
     import torch
     inputs = processor.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True,
-        return_dict=True, return_tensors="pt")
+        messages, tokenize=True, return_dict=True, return_tensors="pt",
+        add_generation_prompt=True)
+    prompt_ids = inputs["input_ids"][0].tolist()
     with torch.no_grad():
-        out = hf_model.generate(**inputs, max_new_tokens=n, do_sample=False)
-    prompt = inputs["input_ids"][0].tolist()
-    return prompt, out[0, len(prompt):].tolist()
-
-
-def processor_config(path: str | Path) -> dict:
-    return json.loads((Path(path) / "processor_config.json").read_text())
+        out = hf_model.generate(**inputs, do_sample=False, max_new_tokens=n)
+    return prompt_ids, out[0, len(prompt_ids):].tolist()
