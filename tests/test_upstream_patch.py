@@ -19,9 +19,19 @@ ROOT = Path(__file__).resolve().parents[1]
 PATCHES = sorted((ROOT / "patches").glob("*.patch"))
 PINNED = "0.32.0"
 UPSTREAM_TESTS = "tests/models/jax/test_gemma4_kv_share.py"
-IMAGE_PATCH = ROOT / "patches" / ("0002-Gemma4-Image-steps-keep-token-ids-"
-                                  "with-the-embeddings.patch")
-IMAGE_TESTS = "tests/models/jax/test_gemma4_mm_inputs.py"
+# Patches that add a test file of their own: (patch, test file, files the
+# fix touches).
+NEW_TEST_FILES = {
+    "0002-Gemma4-Image-steps-keep-token-ids-with-the-embeddings.patch": (
+        "tests/models/jax/test_gemma4_mm_inputs.py",
+        ("tpu_inference/runner/tpu_runner.py",
+         "tpu_inference/runner/compilation_manager.py",
+         "tpu_inference/models/jax/gemma4_mm.py")),
+    "0003-Runner-Restore-resumed-requests-output-tokens-under-async.patch": (
+        "tests/runner/test_persistent_batch_manager_async.py",
+        ("tpu_inference/runner/persistent_batch_manager.py",
+         "tpu_inference/runner/tpu_runner.py")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -125,15 +135,16 @@ def test_plugin_detects_fixed_tpu_inference_and_still_loads(patched, tiny_models
     assert "tpu-inference already builds no K/V" in out.stdout + out.stderr
 
 
-def test_image_patch_own_tests_pass_against_patched_copy(patched):
-    text = IMAGE_PATCH.read_text()
-    for path in ("tpu_inference/runner/tpu_runner.py",
-                 "tpu_inference/runner/compilation_manager.py",
-                 "tpu_inference/models/jax/gemma4_mm.py"):
+@pytest.mark.parametrize("patch_name", sorted(NEW_TEST_FILES))
+def test_new_test_files_of_later_patches_pass_against_patched_copy(
+        patched, patch_name):
+    tests, touched = NEW_TEST_FILES[patch_name]
+    text = (ROOT / "patches" / patch_name).read_text()
+    for path in touched:
         assert f"diff --git a/{path} b/{path}" in text
-    file = patched / IMAGE_TESTS
+    file = patched / tests
     file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text(new_file(text, IMAGE_TESTS))
+    file.write_text(new_file(text, tests))
     out = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", file], patched)
     assert out.returncode == 0, out.stdout[-4000:]
-    assert "7 passed" in out.stdout
+    assert " passed" in out.stdout and "failed" not in out.stdout
