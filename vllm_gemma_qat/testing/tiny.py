@@ -287,24 +287,34 @@ def save_tokenizer(path: str | Path) -> Path:
     VOCAB_SIZE) with
     Gemma's special tokens and chat template; like Gemma's, it does not add
     BOS itself (the chat template does)."""
+    tokenizer = byte_level_tokenizer(
+        additional_special_tokens=["<start_of_turn>", "<end_of_turn>"])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return Path(path)
+
+
+def byte_level_tokenizer(tokens_at: dict[int, str] | None = None, **special):
+    """The byte-level vocabulary of `save_tokenizer` (`tokens_at` puts
+    other tokens on some of its unused ids) with Gemma's named special
+    tokens; `special`: further PreTrainedTokenizerFast special-token
+    arguments."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokens = SPECIAL_TOKENS + byte_chars
     # Like Gemma's <unusedN>: every model id decodes to something.
     tokens += [f"<unused{i}>" for i in range(VOCAB_SIZE - len(tokens))]
+    for token_id, token in (tokens_at or {}).items():
+        tokens[token_id] = token
     vocab = {tok: i for i, tok in enumerate(tokens)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                      use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
-        pad_token="<pad>", unk_token="<unk>",
-        additional_special_tokens=["<start_of_turn>", "<end_of_turn>"])
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    return Path(path)
+        pad_token="<pad>", unk_token="<unk>", **special)
 
 
 def save_servable(path: str | Path, geometry: str = "e2b",

@@ -119,21 +119,8 @@ def build_tokenizer():
     special (never split) and named the way transformers 5 names them
     (`model_specific_special_tokens`: `tokenizer.image_token`,
     `.image_token_id`, `.boi_token`, ...)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens = tiny.SPECIAL_TOKENS + byte_chars
-    tokens += [f"<unused{i}>" for i in range(tiny.VOCAB_SIZE - len(tokens))]
-    for name, token_id in MM_IDS.items():
-        tokens[token_id] = MM_TOKENS[name]
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
-                                   merges=[], unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                     use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
-        pad_token="<pad>", unk_token="<unk>",
+    tokenizer = tiny.byte_level_tokenizer(
+        {token_id: MM_TOKENS[name] for name, token_id in MM_IDS.items()},
         extra_special_tokens=["<start_of_turn>", "<end_of_turn>",
                               *MM_TOKENS.values()],
         model_specific_special_tokens=MM_TOKENS)
