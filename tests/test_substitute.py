@@ -1,10 +1,11 @@
-"""The runtime substitutions, declared once: every target of the kv-share
-and image patches and of CPU mode exists in the installed tpu-inference; a
-missing target is named, never silently added; CPU mode refuses TPU
-machines."""
+"""The runtime substitutions, declared once: every target of the kv-share,
+image and preemption patches and of CPU mode exists in the installed
+tpu-inference; a missing target is named, never silently added; CPU mode
+refuses TPU machines."""
 import pytest
 
-from vllm_gemma_qat import cpu, kv_share_patch, mm_patch, preflight, substitute
+from vllm_gemma_qat import (cpu, kv_share_patch, mm_patch, preemption_patch,
+                            preflight, substitute)
 from vllm_gemma_qat.substitute import MissingTarget, Substitution
 
 
@@ -12,12 +13,13 @@ def tables():
     return {"kv-share patch": kv_share_patch.substitutions(None),
             "preflight": preflight.substitutions(),
             "images": mm_patch.substitutions(),
+            "preemption": preemption_patch.substitutions(),
             "CPU kernels": cpu.kernel_substitutions(),
             "CPU runtime": cpu.runtime_substitutions()}
 
 
 @pytest.mark.parametrize("name", ["kv-share patch", "preflight", "images",
-                                  "CPU kernels", "CPU runtime"])
+                                  "preemption", "CPU kernels", "CPU runtime"])
 def test_every_target_exists_in_the_installed_stack(name):
     table = tables()[name]
     assert table

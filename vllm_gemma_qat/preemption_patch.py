@@ -36,9 +36,12 @@ logger = init_logger(f"vllm.{__name__}")
 def install() -> None:
     """Patch the runner when its module is imported (by the worker), not
     now: importing tpu-inference would cost every vLLM process seconds."""
-    substitute.after_import(RUNNER_MODULE, lambda _: substitute.apply(
-        substitutions(), f"vllm-gemma-qat (--load-format {LOAD_FORMAT} "
-        "only, preemption)"))
+    substitute.after_import(RUNNER_MODULE, apply)
+
+
+def apply(_tpu_runner=None) -> None:
+    substitute.apply(substitutions(), f"vllm-gemma-qat (--load-format "
+                     f"{LOAD_FORMAT} only, preemption)")
 
 
 def substitutions() -> list[Substitution]:
