@@ -132,14 +132,21 @@ def served(tmp_path_factory):
 
 
 def test_answers_under_kv_pressure_equal_transformers(served):
+    # How often vLLM preempts depends on how the eight requests reach the
+    # engine (a busy machine staggers them): the workload is sent again,
+    # up to 4 times, until a preemption of a decoding request with its
+    # token in flight (the case that went wrong) has happened; every
+    # round's answers must equal transformers.
     server, hf, model = served
     before = server.metrics().get("vllm:num_preemptions_total", 0)
-    results = answers(server, model, PROMPTS)
-    preempted = server.metrics()["vllm:num_preemptions_total"] - before
+    for _ in range(4):
+        results = answers(server, model, PROMPTS)
+        assert wrong_answers(hf, results) == []
+        preempted = server.metrics()["vllm:num_preemptions_total"] - before
+        if preempted >= 1 and RESTORED_LINE in server.log.read_text():
+            break
     assert preempted >= 1
-    assert wrong_answers(hf, results) == []
-    # A decoding request was preempted with its last token in flight (the
-    # case that went wrong), and the plugin restored it.
+    # ... and the plugin restored its tokens.
     assert RESTORED_LINE in server.log.read_text()
 
 
