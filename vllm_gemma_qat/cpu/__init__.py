@@ -23,8 +23,13 @@ of `substitutions()` in this order:
   (VLLM_GEMMA_QAT_CPU_MEMORY_GIB, default 0.1), which the original looks up
   by TPU kind.
 
+`VLLM_GEMMA_QAT_CPU_KERNELS=interpret` runs the real ragged paged attention
+and `gmm_v2` kernels in Pallas TPU interpret mode instead of the first and
+third stand-in (`interpret.py`: the kernel entry points and the changes to
+JAX / tpu-inference internals the interpreter needs, in the same table).
+
 The list is logged when CPU mode starts; a target missing from the installed
-tpu-inference stops it with `substitute.MissingTarget`.
+tpu-inference (or JAX) stops it with `substitute.MissingTarget`.
 """
 from __future__ import annotations
 
@@ -38,6 +43,10 @@ import os
 
 CPU_MODE_ENV = "VLLM_GEMMA_QAT_CPU_MODE"
 CPU_MEMORY_ENV = "VLLM_GEMMA_QAT_CPU_MEMORY_GIB"  # the "HBM" the CPU offers
+# Which kernels CPU mode runs: the pure-JAX stand-ins, or the real Pallas
+# kernels in TPU interpret mode (slow; tests).
+CPU_KERNELS_ENV = "VLLM_GEMMA_QAT_CPU_KERNELS"
+CPU_KERNELS = ("stand-in", "interpret")
 # Device nodes of a TPU VM (v4: accel, v5e/v6e: vfio).
 TPU_DEVICE_GLOBS = ("accel[0-9]*", "vfio/[0-9]*")
 
@@ -59,36 +68,61 @@ def enable() -> None:
     # API server loads plugins before it configures its INFO logging).
     substitute.apply(kernel_substitutions() + runtime_substitutions(),
                      f"vllm-gemma-qat CPU mode ({CPU_MODE_ENV}=1, tests and "
-                     "demos only)", level=logging.WARNING)
+                     f"demos only; {CPU_KERNELS_ENV}={kernel_choice()})",
+                     level=logging.WARNING)
 
 
 @contextlib.contextmanager
-def kernels():
-    """The kernel stand-ins for the duration of a block: enough to run the
-    model in-process (tests, benchmarks; see `testing.runner`)."""
+def kernels(choice: str | None = None):
+    """The CPU kernels for the duration of a block: enough to run the model
+    in-process (tests, benchmarks; see `testing.runner`). `choice`: as
+    VLLM_GEMMA_QAT_CPU_KERNELS (default: that variable, else stand-ins)."""
     from vllm_gemma_qat import substitute
     refuse_on_tpu()
-    with substitute.applied(kernel_substitutions(),
-                            "vllm-gemma-qat CPU kernels"):
+    choice = choice or kernel_choice()
+    with substitute.applied(kernel_substitutions(choice),
+                            f"vllm-gemma-qat CPU kernels ({choice})"):
         yield
 
 
-def kernel_substitutions() -> list:
-    """The TPU-only kernels, by pure-JAX equivalents."""
+def kernel_choice() -> str:
+    """VLLM_GEMMA_QAT_CPU_KERNELS: "stand-in" (the default) or "interpret";
+    anything else is an error."""
+    choice = os.environ.get(CPU_KERNELS_ENV, "") or CPU_KERNELS[0]
+    if choice not in CPU_KERNELS:
+        raise ValueError(f"{CPU_KERNELS_ENV}={choice!r}: expected one of "
+                         f"{', '.join(CPU_KERNELS)}")
+    return choice
+
+
+def kernel_substitutions(choice: str | None = None) -> list:
+    """The TPU-only kernels: pure-JAX equivalents, or ("interpret") the
+    real attention and int4 kernels in Pallas TPU interpret mode, after the
+    changes to JAX / tpu-inference internals that mode needs (the vision
+    tower's flash attention keeps its stand-in either way)."""
     from vllm_gemma_qat.substitute import Substitution
     from vllm_gemma_qat.cpu.attention import ragged_paged_attention
     from vllm_gemma_qat.cpu.flash_attention import flash_attention
     from vllm_gemma_qat.cpu.gmm import gmm
-    return [
+    if (choice or kernel_choice()) == "interpret":
+        from vllm_gemma_qat.cpu import interpret
+        ragged_paged_attention, gmm = interpret.ragged_paged_attention, \
+            interpret.gmm
+        why = " (run here by the Pallas TPU interpreter)"
+        prefix = interpret.runtime_substitutions()
+    else:
+        why, prefix = "", []
+    return prefix + [
         Substitution("tpu_inference.layers.common.attention_interface:"
                      "ragged_paged_attention", ragged_paged_attention,
-                     "the Pallas ragged paged attention kernel is TPU-only"),
+                     "the Pallas ragged paged attention kernel is TPU-only"
+                     + why),
         Substitution("tpu_inference.layers.common.attention_interface:"
                      "flash_attention", flash_attention,
                      "the Pallas flash attention kernel (Gemma 4's vision "
                      "tower) is TPU-only"),
         Substitution("tpu_inference.layers.common.linear:gmm_v2", gmm,
-                     "tokamax's int4 (wNa16) matmul kernel is TPU-only"),
+                     "tokamax's int4 (wNa16) matmul kernel is TPU-only" + why),
     ]
 
 
