@@ -1,11 +1,11 @@
 """The runtime substitutions, declared once: every target of the kv-share,
-image and preemption patches and of CPU mode exists in the installed
+image, preemption and compile-once patches and of CPU mode exists in the installed
 tpu-inference; a missing target is named, never silently added; CPU mode
 refuses TPU machines."""
 import pytest
 
-from vllm_gemma_qat import (cpu, kv_share_patch, mm_patch, preemption_patch,
-                            preflight, substitute)
+from vllm_gemma_qat import (compile_once_patch, cpu, kv_share_patch, mm_patch,
+                            preemption_patch, preflight, substitute)
 from vllm_gemma_qat.substitute import MissingTarget, Substitution
 
 
@@ -14,12 +14,14 @@ def tables():
             "preflight": preflight.substitutions(),
             "images": mm_patch.substitutions(),
             "preemption": preemption_patch.substitutions(),
+            "weight loading": compile_once_patch.substitutions(),
             "CPU kernels": cpu.kernel_substitutions(),
             "CPU runtime": cpu.runtime_substitutions()}
 
 
 @pytest.mark.parametrize("name", ["kv-share patch", "preflight", "images",
-                                  "preemption", "CPU kernels", "CPU runtime"])
+                                  "preemption", "weight loading",
+                                  "CPU kernels", "CPU runtime"])
 def test_every_target_exists_in_the_installed_stack(name):
     table = tables()[name]
     assert table

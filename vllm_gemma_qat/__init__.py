@@ -16,8 +16,8 @@ def register() -> None:
     from vllm.model_executor.model_loader import (_LOAD_FORMAT_TO_MODEL_LOADER,
                                                   register_model_loader)
 
-    from vllm_gemma_qat import (kv_share_patch, mm_patch, preemption_patch,
-                                preflight, substitute)
+    from vllm_gemma_qat import (compile_once_patch, kv_share_patch, mm_patch,
+                                preemption_patch, preflight, substitute)
     from vllm_gemma_qat.loader import GemmaQatModelLoader
 
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not GemmaQatModelLoader:
@@ -26,3 +26,4 @@ def register() -> None:
     kv_share_patch.install()
     preemption_patch.install()
     mm_patch.install()
+    compile_once_patch.install()

@@ -10,7 +10,8 @@ from __future__ import annotations
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from vllm_gemma_qat import checkpoint, geometry, quantization, weights
+from vllm_gemma_qat import (checkpoint, compile_once_patch, geometry,
+                            quantization, weights)
 
 # Under the "vllm" logger so the lines show in vLLM's own log output.
 logger = init_logger(f"vllm.{__name__}")
@@ -39,10 +40,19 @@ class GemmaQatModelLoader(BaseModelLoader):
             _tensor_parallel_size())
         feed = weights.WeightFeed(report, int4_from_bf16)
         progress = getattr(self.load_config, "use_tqdm_on_load", True)
-        loaded = model.load_weights(feed.tensors(ckpt, progress=progress))
+        # One clear of JAX's caches at the end, not one per module: each
+        # distinct processing program compiles once (compile_once_patch.py).
+        with compile_once_patch.CompileLog() as compiled, \
+                compile_once_patch.one_cache_clear() as deferred:
+            loaded = model.load_weights(feed.tensors(ckpt, progress=progress))
+            clears = deferred()
         feed.verify(model, loaded, ckpt)
         logger.info("gemma_qat: loaded %d tensors from %s; %s", feed.handed_over,
                     path, feed.skip_summary())
+        if compiled.total:  # a JAX model (vLLM's torch model compiles none)
+            logger.info("gemma_qat: loading compiled %d XLA programs (%d "
+                        "distinct); %d cache clears deferred to one at the "
+                        "end", compiled.total, compiled.distinct, clears)
         if feed.int4_modules:
             logger.info("gemma_qat: %d q4_0 bf16 linears recovered exactly and "
                         "served as wNa16 int4", len(feed.int4_modules))
