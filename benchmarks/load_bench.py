@@ -7,9 +7,15 @@ in a fresh process:
   stock  `auto`      on the regular export (the only one stock can load)
   plugin `gemma_qat` on the QAT export
   int4   `gemma_qat` on the QAT export with the w4a16 overrides (exact int4)
-and reports wall time, peak RSS and final parameter bytes, with ratios.
+and reports wall time (min / median / max of --runs loads each, 3 at full
+size), peak RSS, final parameter bytes and the XLA programs compiled (from
+JAX's compile log), with ratios. --before adds one load each of gemma_qat
+bf16 and int4 with tpu-inference's clear of JAX's caches after every module
+(VLLM_GEMMA_QAT_CLEAR_CACHES_PER_MODULE=1: how it loaded before
+compile_once_patch).
 
-    ./run python benchmarks/load_bench.py [--scale 1.0] [--cache DIR] [--skip-int4]
+    ./run python benchmarks/load_bench.py [--scale 1.0] [--runs N] [--before]
+                                          [--cache DIR] [--skip-int4]
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+PER_MODULE_ENV = "VLLM_GEMMA_QAT_CLEAR_CACHES_PER_MODULE"
 
 
 def scaled_config(scale: float, layers: int | None = None) -> dict:
@@ -131,6 +138,7 @@ def child(path: str, load_format: str, int4_flag: str, out: str) -> None:
     from vllm.plugins import load_general_plugins
 
     from vllm_gemma_qat import quantization, weights
+    from vllm_gemma_qat.compile_once_patch import CompileLog
     from vllm_gemma_qat.testing import runner
     load_general_plugins()
     overrides = ({"quantization_config":
@@ -139,8 +147,9 @@ def child(path: str, load_format: str, int4_flag: str, out: str) -> None:
     sampler = MemorySampler()
     sampler.start()
     start = time.perf_counter()
-    model, _, _ = runner.load(path, load_format, dtype="bfloat16",
-                              hf_overrides=overrides)
+    with CompileLog() as compiled:
+        model, _, _ = runner.load(path, load_format, dtype="bfloat16",
+                                  hf_overrides=overrides)
     wall = time.perf_counter() - start
     sampler.done.set()
     sampler.join()
@@ -151,6 +160,7 @@ def child(path: str, load_format: str, int4_flag: str, out: str) -> None:
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_anon_bytes": sampler.peak["RssAnon"],
         "peak_file_bytes": sampler.peak["RssFile"],
+        "compiles": compiled.total, "distinct_compiles": compiled.distinct,
         "param_bytes": sum(by_dtype.values()), "param_bytes_by_dtype": by_dtype}))
 
 
@@ -177,21 +187,47 @@ def overrides_cost(path: Path) -> dict:
             "overrides_s": overrides_s}
 
 
-def run(label, path, load_format, int4_flag, cache) -> dict:
-    out = cache / f"result-{label}.json"
-    print(f"[{label}] loading {path.name} with --load-format {load_format}"
-          f"{' + int4 overrides' if int4_flag == 'int4' else ''} ...", flush=True)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    subprocess.run([sys.executable, __file__, "--child", str(path), load_format,
-                    int4_flag, str(out)], check=True, env=env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    result = json.loads(out.read_text())
-    print(f"[{label}] {result['wall_s']:.1f} s, peak RSS "
-          f"{result['peak_rss_bytes'] / 2**30:.2f} GiB (anon "
-          f"{result['peak_anon_bytes'] / 2**30:.2f}, file-backed "
-          f"{result['peak_file_bytes'] / 2**30:.2f}), params "
-          f"{result['param_bytes'] / 2**30:.2f} GiB", flush=True)
-    return result
+def run(label, path, load_format, int4_flag, cache, runs=1,
+        per_module=False) -> dict:
+    """`runs` loads, each in a fresh process: the median run's figures, with
+    every run's under "runs" and the wall-time min / median / max."""
+    results = []
+    for i in range(runs):
+        out = cache / f"result-{label}-{i}.json"
+        print(f"[{label}] loading {path.name} with --load-format {load_format}"
+              f"{' + int4 overrides' if int4_flag == 'int4' else ''}"
+              f"{' (clears per module)' if per_module else ''}, run {i + 1} of "
+              f"{runs} ...", flush=True)
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env.pop(PER_MODULE_ENV, None)
+        if per_module:
+            env[PER_MODULE_ENV] = "1"
+        subprocess.run([sys.executable, __file__, "--child", str(path),
+                        load_format, int4_flag, str(out)], check=True, env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        result = json.loads(out.read_text())
+        print(f"[{label}] {result['wall_s']:.1f} s, {result['compiles']} "
+              f"compiles ({result['distinct_compiles']} distinct), peak RSS "
+              f"{result['peak_rss_bytes'] / 2**30:.2f} GiB (anon "
+              f"{result['peak_anon_bytes'] / 2**30:.2f}, file-backed "
+              f"{result['peak_file_bytes'] / 2**30:.2f}), params "
+              f"{result['param_bytes'] / 2**30:.2f} GiB", flush=True)
+        results.append(result)
+    walls = sorted(r["wall_s"] for r in results)
+    median = sorted(results, key=lambda r: r["wall_s"])[(runs - 1) // 2]
+    return dict(median, runs=results, wall_s_min=walls[0],
+                wall_s_median=median["wall_s"], wall_s_max=walls[-1])
+
+
+def spread(r: dict) -> str:
+    return (f"{r['wall_s_min']:.1f} / {r['wall_s_median']:.1f} / "
+            f"{r['wall_s_max']:.1f} s")
+
+
+def ratios(a: dict, b: dict) -> str:
+    """a / b wall time: min / median / max over the runs (min over min ...)."""
+    return " / ".join(f"{a[k] / b[k]:.3f}" for k in
+                      ("wall_s_min", "wall_s_median", "wall_s_max"))
 
 
 def main() -> None:
@@ -205,7 +241,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int,
                         help="fewer layers than E2B's 35 (smoke runs only)")
     parser.add_argument("--skip-int4", action="store_true")
+    parser.add_argument("--runs", type=int,
+                        help="loads per configuration (default: 3 at "
+                        "--scale 1, else 1)")
+    parser.add_argument("--before", action="store_true",
+                        help="also one gemma_qat bf16 and int4 load each "
+                        "with tpu-inference's per-module cache clears")
     args = parser.parse_args()
+    runs = args.runs or (3 if args.scale >= 1 else 1)
     cache = args.cache / (f"e2b-scale{args.scale:g}" +
                           (f"-layers{args.layers}" if args.layers else ""))
     cache.mkdir(parents=True, exist_ok=True)
@@ -216,15 +259,30 @@ def main() -> None:
     regular = build(cache / "regular", config, "regular")
     size = sum(f.stat().st_size for f in qat.glob("*.safetensors"))
     print(f"QAT checkpoint: {size / 1e9:.2f} GB", flush=True)
-    results = {"stock_regular": run("stock", regular, "auto", "bf16", cache),
-               "plugin_qat": run("plugin", qat, "gemma_qat", "bf16", cache)}
+    results = {
+        "stock_regular": run("stock", regular, "auto", "bf16", cache, runs),
+        "plugin_qat": run("plugin", qat, "gemma_qat", "bf16", cache, runs)}
     if not args.skip_int4:
-        results["plugin_int4"] = run("int4", qat, "gemma_qat", "int4", cache)
+        results["plugin_int4"] = run("int4", qat, "gemma_qat", "int4", cache,
+                                     runs)
+    if args.before:
+        results["plugin_qat_before"] = run("plugin-before", qat, "gemma_qat",
+                                           "bf16", cache, per_module=True)
+        if not args.skip_int4:
+            results["plugin_int4_before"] = run("int4-before", qat,
+                                                "gemma_qat", "int4", cache,
+                                                per_module=True)
+    if not args.skip_int4:
         results["overrides"] = overrides_cost(qat)
     s, p = results["stock_regular"], results["plugin_qat"]
     print()
-    print(f"plugin / stock load time:         {p['wall_s'] / s['wall_s']:.3f} "
-          "(goal <= 1.05)")
+    print(f"load wall time, min / median / max of {runs} (compiles, distinct):")
+    for key, r in results.items():
+        if "wall_s_min" in r:
+            print(f"  {key:<20} {spread(r)} ({r['compiles']}, "
+                  f"{r['distinct_compiles']})")
+    print(f"plugin / stock load time:         {ratios(p, s)} "
+          "(min / median / max; goal <= 1.05)")
     for label, r in (("plugin", p), ("stock ", s)):
         print(f"{label} peak anon RSS / param bytes: "
               f"{r['peak_anon_bytes'] / r['param_bytes']:.3f} (goal <= 1.25; "
@@ -234,13 +292,22 @@ def main() -> None:
         i = results["plugin_int4"]
         print(f"int4 / plugin bf16 param bytes:   "
               f"{i['param_bytes'] / p['param_bytes']:.3f}")
-        print(f"int4 / plugin bf16 load time:     {i['wall_s'] / p['wall_s']:.3f}"
-              " (goal <= 1.3)")
+        print(f"int4 / plugin bf16 load time:     {ratios(i, p)}"
+              " (min / median / max; goal <= 1.3)")
         print(f"int4 peak anon RSS / param bytes: "
               f"{i['peak_anon_bytes'] / i['param_bytes']:.3f}")
         o = results["overrides"]
         print(f"int4-overrides / read linears:    "
               f"{o['overrides_s'] / o['read_s']:.2f} (goal <= 2)")
+    for key in ("plugin_qat", "plugin_int4"):
+        if key + "_before" in results:
+            b, a = results[key + "_before"], results[key]
+            print(f"{key} before -> after: {b['wall_s']:.1f} -> "
+                  f"{a['wall_s_median']:.1f} s (median), {b['compiles']} -> "
+                  f"{a['compiles']} compiles, peak anon "
+                  f"{b['peak_anon_bytes'] / 2**30:.2f} -> "
+                  f"{max(r['peak_anon_bytes'] for r in a['runs']) / 2**30:.2f}"
+                  " GiB (highest run)")
     (cache / "results.json").write_text(json.dumps(results, indent=1))
 
 
