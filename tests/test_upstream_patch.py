@@ -1,4 +1,5 @@
-"""patches/ fixes tpu-inference itself (#3225; image steps): applied to a
+"""patches/ fixes tpu-inference itself (#3225; image steps; preemption;
+one cache clear per weight load): applied to a
 copy of the installed (pinned) tpu-inference, stock `auto` loads both
 layouts with no plugin, each patch's own tests pass, and the plugin steps
 aside."""
@@ -31,6 +32,9 @@ NEW_TEST_FILES = {
         "tests/runner/test_persistent_batch_manager_async.py",
         ("tpu_inference/runner/persistent_batch_manager.py",
          "tpu_inference/runner/tpu_runner.py")),
+    "0004-Weights-Clear-JAX-caches-once-per-load-not-per-module.patch": (
+        "tests/models/jax/test_weight_loading_compiles.py",
+        ("tpu_inference/models/jax/utils/weight_utils.py", )),
 }
 
 
