@@ -1,0 +1,92 @@
+"""`vllm serve --load-format gemma_qat` in CPU mode with the real TPU
+kernels: VLLM_GEMMA_QAT_CPU_KERNELS=interpret runs tpu-inference's ragged
+paged attention v3 in Pallas TPU interpret mode for every layer of every
+step (the tiny E2B-like bf16 QAT checkpoint: 10 layers, 5 of them
+KV-shared). Greedy tokens equal transformers, a rerun hits the prefix
+cache, the shared layers' calls leave the cache to their source layers.
+
+The int4 (w4a16) server, the real gmm_v2 too, takes ~4 minutes of one
+worker: opt-in with VLLM_GEMMA_QAT_FULL_KERNEL_TESTS=1."""
+import os
+import re
+import time
+
+import pytest
+from harness import complete, hf_greedy
+
+from vllm_gemma_qat.cpu import CPU_KERNELS_ENV
+from vllm_gemma_qat.cpu.server import CpuServer
+from vllm_gemma_qat.testing import tiny
+
+pytestmark = pytest.mark.xdist_group("serve_real_kernels")
+FULL_ENV = "VLLM_GEMMA_QAT_FULL_KERNEL_TESTS"
+
+
+def serve(root, hf_model_dir, *extra):
+    # A small cache: the interpreted kernel copies the whole KV cache of
+    # its layer in and out of its callback on every call.
+    return CpuServer(hf_model_dir, "--num-gpu-blocks-override", "64", *extra,
+                     log=root / "server.log",
+                     env={CPU_KERNELS_ENV: "interpret"})
+
+
+def interpreted_compiles(log: str) -> list[str]:
+    return re.findall(r"vllm-gemma-qat interpret: compiled (\w+) (.*) in ",
+                      log)
+
+
+def check_serving(server, hf, model, n=8):
+    """Greedy equals transformers; the same prompt again: prefix-cache
+    hits, same tokens. Returns the seconds of each request."""
+    prompt = "You are a careful agent. " * 2 + "Task one."  # 3 full blocks
+    seconds = []
+    before = server.metrics().get("vllm:prefix_cache_hits_total", 0)
+    for _ in range(2):
+        start = time.monotonic()
+        prompt_ids, tokens = complete(server, model, prompt, n=n)
+        seconds.append(time.monotonic() - start)
+        assert tokens == hf_greedy(hf, prompt_ids, n)
+    hits = server.metrics()["vllm:prefix_cache_hits_total"] - before
+    assert hits >= 32, hits
+    return seconds
+
+
+def test_bf16_qat_serves_with_the_real_attention_kernel(tmp_path):
+    hf = tiny.save_servable(tmp_path / "model")
+    start = time.monotonic()
+    with serve(tmp_path, tmp_path / "model") as server:
+        up = time.monotonic() - start
+        seconds = check_serving(server, hf, tmp_path / "model")
+        log = server.log.read_text()
+    print(f"bf16 QAT, real RPA: up in {up:.0f} s, requests "
+          f"{', '.join(f'{s:.1f}' for s in seconds)} s")
+    assert "VLLM_GEMMA_QAT_CPU_KERNELS=interpret" in log
+    assert "run here by the Pallas TPU interpreter" in log
+    compiles = interpreted_compiles(log)
+    print(*(" ".join(c) for c in compiles), sep="\n")
+    # Every attention call went to the real kernel, each shape compiled
+    # once in the engine process: KV-shared layers (update_kv_cache=False,
+    # their own call shapes) and the others.
+    assert compiles and all(name == "ragged_paged_attention"
+                            for name, _ in compiles), compiles
+    flags = [f for _, f in compiles]
+    assert len(flags) == len(set(flags)), flags
+    assert any("update_kv_cache=False" in f for f in flags), flags
+    assert any("update_kv_cache=True" in f for f in flags), flags
+
+
+@pytest.mark.skipif(os.environ.get(FULL_ENV) != "1",
+                    reason=f"~4 min: {FULL_ENV}=1")
+def test_w4a16_serves_with_the_real_attention_and_int4_kernels(tmp_path):
+    hf = tiny.save_servable_int4(tmp_path / "model", "w4a16")
+    start = time.monotonic()
+    with serve(tmp_path, tmp_path / "model") as server:
+        up = time.monotonic() - start
+        seconds = check_serving(server, hf, tmp_path / "model")
+        log = server.log.read_text()
+    print(f"w4a16, real RPA + gmm_v2: up in {up:.0f} s, requests "
+          f"{', '.join(f'{s:.1f}' for s in seconds)} s")
+    compiles = interpreted_compiles(log)
+    print(*(" ".join(c) for c in compiles), sep="\n")
+    names = {name for name, _ in compiles}
+    assert names == {"ragged_paged_attention", "gmm_v2"}, names
