@@ -299,9 +299,12 @@ E2B_SLIDING = Case(kv_heads=1, head_dim=256, sliding_window=8)
 E2B_FULL_SHARED = Case(kv_heads=1, head_dim=512, page_size=32,
                        dtype="bfloat16", update_kv_cache=False,
                        seqs=((1, 33), (1, 64), (7, 50), (12, 12)), pages=12)
+# Gemma 4 passes k_scale = v_scale = 1.0 (q_scale None) with an fp8 cache;
+# CI checks the scales' semantics with other values (the full matrix has
+# both).
 E4B_FP8 = Case(kv_heads=2, head_dim=256, dtype="bfloat16",
                kv_dtype="float8_e4m3fn", sliding_window=8,
-               scales=(("k_scale", 1.0), ("v_scale", 1.0)))
+               scales=(("q_scale", 0.5), ("k_scale", 0.75), ("v_scale", 1.25)))
 CI_CASES = [E2B_SLIDING, E2B_FULL_SHARED, E4B_FP8]
 CI_IDS = ["e2b-sliding", "e2b-full-kv-shared", "e4b-fp8"]
 # Every KV-head count, head_dim and page size in both dtypes; as in the

@@ -1,11 +1,19 @@
 """Pure-JAX stand-in for tokamax's TPU-only `gmm_v2` kernel, as
 tpu-inference's wNa16 path calls it (CPU mode: int4 serving without a TPU).
 
-Semantics (those of tokamax's own `reference_gmm`, which the tests check this
-against): rows of `lhs` are split into consecutive groups by `group_sizes`;
-row group g (shifted by `group_offset`) multiplies `rhs[g]` block by block
-along k, each block's product scaled by `rhs_scale[g, block, 0, :]`, summed
-in fp32; rows outside the local groups give zeros.
+Semantics (those of tokamax's own `reference_gmm`): rows of `lhs` are split
+into consecutive groups by `group_sizes`; row group g (shifted by
+`group_offset`) multiplies `rhs[g]` block by block along k, each block's
+product scaled by `rhs_scale[g, block, 0, :]`, summed in fp32; rows outside
+the local groups give zeros.
+
+What the tests show (tests/test_real_kernels.py, beside the real gmm_v2 in
+Pallas TPU interpret mode): for one group, as tpu-inference's wNa16 linear
+calls it (int4 the plugin packs from q4_0, group 32, no bias), on the tiny
+models' linears and E2B's q / o / gate-up / down shapes in f32 and bf16,
+both are within f32 summation error of the exact product (bf16: correctly
+rounded). Several groups, group_offset and rhs_bias are implemented, not
+compared with the kernel.
 """
 import jax.numpy as jnp
 
