@@ -20,8 +20,9 @@ def compile_cache_env(directory: str) -> dict[str, str]:
     however quick, shared by the processes that get this environment (a
     test run: in-process models and `vllm serve`, whose runner points JAX
     at VLLM_XLA_CACHE_PATH). Tiny models compile in milliseconds, below
-    JAX's default 1 s threshold, and tpu-inference clears JAX's in-memory
-    caches after each quantized module it loads, so without this an int4
+    JAX's default 1 s threshold, and under other load formats than gemma_qat
+    tpu-inference clears JAX's in-memory caches after each module it loads
+    (gemma_qat: once per load, compile_once_patch), so without this such a
     load compiles the same few small programs again for every module. No
     size cap: with one, JAX rescans the whole directory on every write. A
     reader that meets an entry still being written gets a warning and
