@@ -51,15 +51,22 @@ def check_serving(server, hf, model, n=8):
     return seconds
 
 
-def test_bf16_qat_serves_with_the_real_attention_kernel(tmp_path):
-    hf = tiny.save_servable(tmp_path / "model")
+def serve_and_check(tmp_path, hf, label: str) -> str:
+    """Serve tmp_path/model with the real kernels, `check_serving` it, print
+    the timings; the server's log."""
     start = time.monotonic()
     with serve(tmp_path, tmp_path / "model") as server:
         up = time.monotonic() - start
         seconds = check_serving(server, hf, tmp_path / "model")
         log = server.log.read_text()
-    print(f"bf16 QAT, real RPA: up in {up:.0f} s, requests "
+    print(f"{label}: up in {up:.0f} s, requests "
           f"{', '.join(f'{s:.1f}' for s in seconds)} s")
+    return log
+
+
+def test_bf16_qat_serves_with_the_real_attention_kernel(tmp_path):
+    hf = tiny.save_servable(tmp_path / "model")
+    log = serve_and_check(tmp_path, hf, "bf16 QAT, real RPA")
     assert "VLLM_GEMMA_QAT_CPU_KERNELS=interpret" in log
     assert "run here by the Pallas TPU interpreter" in log
     compiles = interpreted_compiles(log)
@@ -79,13 +86,7 @@ def test_bf16_qat_serves_with_the_real_attention_kernel(tmp_path):
                     reason=f"~4 min: {FULL_ENV}=1")
 def test_w4a16_serves_with_the_real_attention_and_int4_kernels(tmp_path):
     hf = tiny.save_servable_int4(tmp_path / "model", "w4a16")
-    start = time.monotonic()
-    with serve(tmp_path, tmp_path / "model") as server:
-        up = time.monotonic() - start
-        seconds = check_serving(server, hf, tmp_path / "model")
-        log = server.log.read_text()
-    print(f"w4a16, real RPA + gmm_v2: up in {up:.0f} s, requests "
-          f"{', '.join(f'{s:.1f}' for s in seconds)} s")
+    log = serve_and_check(tmp_path, hf, "w4a16, real RPA + gmm_v2")
     compiles = interpreted_compiles(log)
     print(*(" ".join(c) for c in compiles), sep="\n")
     names = {name for name, _ in compiles}
