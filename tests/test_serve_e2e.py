@@ -32,7 +32,8 @@ def test_plugin_reaches_every_process_through_its_entry_point(served):
     # No import in the command: vLLM loaded the plugin in the API server and
     # in the engine core, and the engine core loaded weights with it.
     assert log.count("vllm-gemma-qat CPU mode (VLLM_GEMMA_QAT_CPU_MODE=1, "
-                     "tests and demos only) substitutes:") >= 2
+                     "tests and demos only; VLLM_GEMMA_QAT_CPU_KERNELS="
+                     "stand-in) substitutes:") >= 2
     assert "(EngineCore" in log and "gemma_qat: loaded" in log
 
 
