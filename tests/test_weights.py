@@ -23,6 +23,35 @@ def test_feed_skips_exactly_the_reports_shared_kv(regular):
         "layers 5-9" in feed.skip_summary()
 
 
+@pytest.mark.parametrize("served", ["bfloat16", "float32"])
+def test_feed_hands_over_floating_tensors_in_the_served_dtype(regular, served):
+    # tpu-inference's JAX loader keeps a tensor's own dtype; vLLM's --dtype
+    # arrives as a JAX dtype there (as a torch dtype on vLLM's torch model).
+    import jax.numpy as jnp
+    import torch
+    ckpt, report = regular
+    stored = {n: t.dtype for n, t in weights.stream_tensors(ckpt, bool)}
+    assert set(stored.values()) - {torch.bfloat16, torch.float32} == set()
+    for dtype in (jnp.dtype(served), getattr(torch, served)):
+        fed = dict(weights.WeightFeed(report, dtype=dtype).tensors(ckpt))
+        assert {t.dtype for t in fed.values()} == {getattr(torch, served)}
+
+
+def test_feed_keeps_int4_tensors_as_stored(tmp_path):
+    import torch
+
+    from vllm_gemma_qat.testing import tiny
+    tiny.save_servable_int4(tmp_path, "w4a16")
+    ckpt = open_checkpoint(tmp_path)
+    report = geometry.check(ckpt)
+    fed = dict(weights.WeightFeed(report, dtype=torch.float32).tensors(ckpt))
+    stored = dict(weights.stream_tensors(ckpt, bool))
+    packed = [n for n in fed if n.endswith(("weight_packed", "weight_scale"))]
+    assert packed and all(fed[n].dtype == stored[n].dtype for n in packed)
+    assert {fed[n].dtype for n in fed if n not in packed
+            and fed[n].is_floating_point()} == {torch.float32}
+
+
 def test_verify_counts_tensors_never_read(regular):
     import torch
     ckpt, report = regular

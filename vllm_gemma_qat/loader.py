@@ -38,7 +38,7 @@ class GemmaQatModelLoader(BaseModelLoader):
         geometry.check_tensor_parallel(
             report, set(report.quantized) | int4_from_bf16,
             _tensor_parallel_size())
-        feed = weights.WeightFeed(report, int4_from_bf16)
+        feed = weights.WeightFeed(report, int4_from_bf16, model_config.dtype)
         progress = getattr(self.load_config, "use_tqdm_on_load", True)
         # One clear of JAX's caches at the end, not one per module: each
         # distinct processing program compiles once (compile_once_patch.py).
