@@ -70,3 +70,17 @@ def test_auto_keeps_tpu_inference_clears(plugin, tiny_models):
     log = _load(tiny_models.checkpoint("e2b", multimodal=False,
                                        layout="regular"), "auto")
     assert log.total >= 3 * log.distinct
+
+
+def test_nested_compile_logs_close_in_any_content_state():
+    # A test's log around the loader's: when every compile so far happened
+    # inside the inner one, both hold the same programs; closing the inner
+    # one must still leave the outer one recording.
+    import jax
+    import jax.numpy as jnp
+    x, y = jnp.ones(7), jnp.ones(9)
+    with CompileLog() as outer:
+        with CompileLog() as inner:
+            jax.jit(lambda v: v * 3)(x)
+        jax.jit(lambda v: v - 5)(y)
+    assert inner.total == 1 and outer.total == 2
