@@ -4,8 +4,8 @@ parsers have something real to parse.
 
 A random tiny model never writes `<|tool_call>call:NAME{...}<tool_call|>`,
 and under the `gemma4` tool parser `tool_choice: "required"` does not force
-it (no structured outputs). So `train` teaches a tiny E-family model, on one
-CPU thread and deterministically, the few agent turns of `DATASET`, written
+it (no structured outputs). So `train` teaches a tiny E-family model, on the
+CPU and deterministically, the few agent turns of `CASES`, written
 in Gemma 4's chat format by `CHAT_TEMPLATE` (the tokenizer's): first in
 float, then with every language-model linear held on the q4_0 grid
 (straight-through rounding), so the bf16 QAT export and the int4 served
