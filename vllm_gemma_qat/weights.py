@@ -24,12 +24,18 @@ class WeightFeed:
     # Modules stored as bf16 on the q4_0 grid that the model holds as wNa16
     # int4: their weight is handed over packed (see vllm_gemma_qat.int4).
     int4_modules: set[str] = field(default_factory=set)
-    # The served dtype (vLLM's --dtype, a torch dtype): other floating-point
-    # tensors are cast to it. tpu-inference's JAX loader keeps a tensor's
+    # The served dtype (vLLM's --dtype: torch's, or on tpu-inference a JAX
+    # one, made torch's once): other floating-point tensors are cast to it. tpu-inference's JAX loader keeps a tensor's
     # checkpoint dtype, so a float32 checkpoint under --dtype bfloat16 gave
     # float32 K/V that the bf16 KV cache refused, killing the engine.
     dtype: object = None
     handed_over: int = 0
+
+    def __post_init__(self):
+        import torch
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            from tpu_inference.utils import to_torch_dtype
+            self.dtype = to_torch_dtype(self.dtype)
 
     @property
     def skipped(self) -> list[str]:
@@ -57,12 +63,11 @@ class WeightFeed:
                 bar.update()
 
     def _in_served_dtype(self, name: str, tensor):
-        dtype = _torch_dtype(self.dtype)
-        if (dtype is None or not tensor.is_floating_point()
-                or tensor.dtype == dtype
+        if (self.dtype is None or not tensor.is_floating_point()
+                or tensor.dtype == self.dtype
                 or name.endswith(PACKED_SUFFIXES)):  # int4 scales stay as stored
             return tensor
-        return tensor.to(dtype)
+        return tensor.to(self.dtype)
 
     def skip_summary(self) -> str:
         if not self.skipped:
@@ -92,15 +97,6 @@ class WeightFeed:
             raise CheckpointError(
                 f"{ckpt.path}: model parameters not initialized from the "
                 f"checkpoint: {missing}")
-
-
-def _torch_dtype(dtype):
-    """vLLM's model dtype as torch's: tpu-inference sets a JAX / numpy one
-    (ml_dtypes.bfloat16), vLLM a torch one."""
-    import torch
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    return getattr(torch, np.dtype(dtype).name)
 
 
 def stream_tensors(ckpt: Checkpoint, keep) -> Iterator[tuple[str, object]]:
