@@ -2,19 +2,28 @@
 
 1. vLLM's own serving benchmark (`vllm bench serve`'s code, random dataset)
    at each concurrency.
-2. An agent workload no standard benchmark has: N agents, each a multi-turn
-   loop over a shared system prompt whose context grows by appending tool
-   results, every turn ending in a JSON tool call under guided decoding
-   (`response_format` json_schema).
+2. An agent workload no standard benchmark has: N agents calling tools in
+   Gemma 4's own format through vLLM's `gemma4` tool and reasoning parsers
+   (streamed), each tool call answered with its result in a tool message
+   (the context grows), each final answer followed by the next task; it
+   reports how many turns ended in a parsed tool call and how many calls
+   named a declared tool with arguments its schema accepts.
 Writes results.json, results.md (beside the reference numbers of
 ../shared/GEMMA4_FACTS.md) and plot.png.
 
-On a TPU VM:
-    vllm serve google/gemma-4-E2B-it-qat-q4_0-unquantized --load-format gemma_qat &
+On a TPU VM (the server needs the parser flags, SERVE_FLAGS; fp8 KV is
+the server's choice, recorded from its metrics and checked against
+--kv-cache-dtype when given):
+    vllm serve google/gemma-4-E2B-it-qat-q4_0-unquantized --load-format gemma_qat \\
+        --enable-auto-tool-choice --tool-call-parser gemma4 \\
+        --reasoning-parser gemma4 --kv-cache-dtype fp8 &
     python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 \\
-        --model google/gemma-4-E2B-it-qat-q4_0-unquantized --out bench-out
-Smoke run on CPU (starts its own CPU-mode server on the tiny model):
-    ./run python benchmarks/serve_bench.py --smoke --out /tmp/serve-bench
+        --model google/gemma-4-E2B-it-qat-q4_0-unquantized --kv-cache-dtype fp8 \\
+        --out bench-out
+Smoke run on CPU (starts its own CPU-mode server, with these flags and
+--kv-cache-dtype if given, on the tiny agent model of testing/agent.py,
+trained in seconds):
+    ./run python benchmarks/serve_bench.py --smoke --kv-cache-dtype fp8 --out /tmp/serve-bench
 """
 from __future__ import annotations
 
@@ -22,7 +31,7 @@ import argparse
 import contextlib
 import io
 import json
-import random
+import re
 import shutil
 import statistics
 import threading
@@ -31,19 +40,16 @@ import urllib.request
 from pathlib import Path
 
 from vllm_gemma_qat.cpu.server import metric_totals
+from vllm_gemma_qat.testing import agent
 
 # ../shared/GEMMA4_FACTS.md: vLLM on the regular BF16 export, TPU v6e-1,
 # random 1024 in / 128 out, aggregate output tok/s by concurrency.
 REFERENCE_TOK_S = {1: 209, 8: 1209, 32: 1636, 64: 2140, 100: 2215}
-TOOL_SCHEMA = {
-    "type": "object",
-    "properties": {"tool": {"type": "string", "enum": ["search", "read",
-                                                       "write", "finish"]},
-                   "arg": {"type": "string", "maxLength": 24}},
-    "required": ["tool", "arg"], "additionalProperties": False}
-SYSTEM = ("You are an agent. Each turn, answer with exactly one JSON tool "
-          "call {\"tool\": ..., \"arg\": ...}. Tools: search, read, write, "
-          "finish. ")
+# What the agents ask, in turn; their tools run here (`run_tool`).
+TASKS = ["Weather in Paris?", "Add 2 and 3.", "Weather in Oslo?",
+         "Add 40 and 2."]
+SERVE_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "gemma4",
+               "--reasoning-parser", "gemma4"]
 
 
 def sweep(base_url, model, tokenizer, concurrency, input_len, output_len,
@@ -74,17 +80,18 @@ def sweep(base_url, model, tokenizer, concurrency, input_len, output_len,
     return rows
 
 
-def chat_stream(base_url, model, messages, max_tokens):
-    """(content, ttft_s, total_s, completion_tokens) of one streamed call."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True,
+def chat_stream(base_url, model, messages, max_tokens) -> dict:
+    """One streamed chat turn with `agent.TOOLS`: its text, the tool calls
+    vLLM's tool parser assembled from the deltas, time to the first delta,
+    total time and completion tokens."""
+    body = {"model": model, "messages": messages, "tools": agent.TOOLS,
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True},
-            "response_format": {"type": "json_schema", "json_schema": {
-                "name": "tool_call", "schema": TOOL_SCHEMA}}}
+            "chat_template_kwargs": {"enable_thinking": False}}
     request = urllib.request.Request(
         base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"})
-    start, ttft, content, tokens = time.perf_counter(), None, "", 0
+    start, ttft, content, tokens, calls = time.perf_counter(), None, "", 0, {}
     with urllib.request.urlopen(request, timeout=600) as response:
         for raw in response:
             line = raw.decode().strip()
@@ -92,22 +99,49 @@ def chat_stream(base_url, model, messages, max_tokens):
                 continue
             chunk = json.loads(line[6:])
             for choice in chunk.get("choices", []):
-                piece = choice.get("delta", {}).get("content") or ""
-                if piece and ttft is None:
+                delta = choice.get("delta", {})
+                if ttft is None and (delta.get("content") or delta.get(
+                        "tool_calls") or delta.get("reasoning")):
                     ttft = time.perf_counter() - start
-                content += piece
+                content += delta.get("content") or ""
+                for d in delta.get("tool_calls") or []:
+                    call = calls.setdefault(d["index"], {
+                        "id": "", "name": "", "arguments": ""})
+                    call["id"] = d.get("id") or call["id"]
+                    function = d.get("function") or {}
+                    call["name"] += function.get("name") or ""
+                    call["arguments"] += function.get("arguments") or ""
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     total = time.perf_counter() - start
-    return content, ttft if ttft is not None else total, total, tokens
+    return {"content": content, "calls": [calls[i] for i in sorted(calls)],
+            "ttft": ttft if ttft is not None else total, "total": total,
+            "tokens": tokens}
+
+
+def run_tool(call: dict) -> tuple[bool, str | None]:
+    """(whether the call names a tool of `agent.TOOLS` with arguments its
+    schema accepts, the tool's result)."""
+    import jsonschema
+    schemas = {t["function"]["name"]: t["function"]["parameters"]
+               for t in agent.TOOLS}
+    try:
+        args = json.loads(call["arguments"])
+        jsonschema.validate(args, schemas[call["name"]])
+    except (KeyError, ValueError, jsonschema.ValidationError):
+        return False, None
+    if call["name"] == "add":
+        return True, str(args["a"] + args["b"])
+    return True, "sunny"
 
 
 def agents(base_url, model, n_agents, turns, max_tokens) -> dict:
-    import jsonschema
+    """N agents, `turns` requests each: a task, then each tool call answered
+    with its result in a tool message (the context grows), each final
+    answer followed by the next task. Calls go through vLLM's tool and
+    reasoning parsers (the server runs with SERVE_FLAGS)."""
     before = metric_totals(base_url)
-    calls, lock = [], threading.Lock()
-
-    errors = []
+    turns_done, lock, errors = [], threading.Lock(), []
 
     def agent(i):
         try:
@@ -116,23 +150,28 @@ def agents(base_url, model, n_agents, turns, max_tokens) -> dict:
             errors.append(e)
 
     def run_agent(i):
-        rng = random.Random(i)
-        messages = [{"role": "system", "content": SYSTEM * 4},
-                    {"role": "user", "content": f"Task {i}: find file {i}."}]
+        task = i
+        messages = [{"role": "user", "content": TASKS[task % len(TASKS)]}]
         for _ in range(turns):
-            content, ttft, total, tokens = chat_stream(base_url, model,
-                                                       messages, max_tokens)
-            try:
-                jsonschema.validate(json.loads(content), TOOL_SCHEMA)
-                valid = True
-            except (ValueError, jsonschema.ValidationError):
-                valid = False
+            r = chat_stream(base_url, model, messages, max_tokens)
+            results = [run_tool(c) for c in r["calls"]]
             with lock:
-                calls.append((ttft, total, tokens, valid))
-            messages.append({"role": "assistant", "content": content})
-            result = " ".join(rng.choice(["ok", "file", "line", "match", "42"])
-                              for _ in range(24))
-            messages.append({"role": "user", "content": f"Tool result: {result}"})
+                turns_done.append((r, results))
+            if not r["calls"]:
+                task += 1
+                messages += [{"role": "assistant", "content": r["content"]},
+                             {"role": "user",
+                              "content": TASKS[task % len(TASKS)]}]
+                continue
+            messages.append({"role": "assistant", "content": r["content"],
+                             "tool_calls": [{
+                                 "id": c["id"], "type": "function",
+                                 "function": {"name": c["name"],
+                                              "arguments": c["arguments"]}}
+                                 for c in r["calls"]]})
+            messages += [{"role": "tool", "tool_call_id": c["id"],
+                          "content": result or "error: invalid call"}
+                         for c, (_, result) in zip(r["calls"], results)]
 
     start = time.perf_counter()
     threads = [threading.Thread(target=agent, args=(i, ))
@@ -149,18 +188,38 @@ def agents(base_url, model, n_agents, turns, max_tokens) -> dict:
                before.get("vllm:prefix_cache_queries_total", 0))
     hits = (after.get("vllm:prefix_cache_hits_total", 0) -
             before.get("vllm:prefix_cache_hits_total", 0))
-    tokens = sum(c[2] for c in calls)
-    tpots = [(c[1] - c[0]) / max(c[2] - 1, 1) for c in calls if c[2] > 1]
-    return {"agents": n_agents, "turns": turns, "calls": len(calls),
+    responses = [r for r, _ in turns_done]
+    calls = [ok for _, results in turns_done for ok, _ in results]
+    tokens = sum(r["tokens"] for r in responses)
+    tpots = [(r["total"] - r["ttft"]) / (r["tokens"] - 1)
+             for r in responses if r["tokens"] > 1]
+    return {"agents": n_agents, "turns": turns, "calls": len(responses),
+            "tool_calls": len(calls),
+            "tool_call_turn_rate": sum(bool(r["calls"]) for r in responses)
+            / len(responses),
+            "tool_call_valid_rate": sum(calls) / len(calls) if calls else None,
             "aggregate_tok_s": tokens / wall,
             "per_stream_tok_s": tokens / wall / n_agents,
-            "median_ttft_ms": 1000 * statistics.median(c[0] for c in calls),
+            "median_ttft_ms": 1000 * statistics.median(
+                r["ttft"] for r in responses),
             "median_tpot_ms": 1000 * statistics.median(tpots) if tpots else None,
-            "prefix_cache_hit_rate": hits / queries if queries else None,
-            "json_valid_rate": sum(c[3] for c in calls) / len(calls)}
+            "prefix_cache_hit_rate": hits / queries if queries else None}
 
 
-def write_markdown(out: Path, sweep_rows, agent_row, label) -> None:
+def served_kv_cache_dtype(base_url) -> str:
+    """The server's --kv-cache-dtype, from its cache_config_info metric."""
+    text = urllib.request.urlopen(base_url + "/metrics").read().decode()
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            found = re.search(r'cache_dtype="([^"]*)"', line)
+            if found:
+                return found.group(1)
+    raise RuntimeError(f"{base_url}/metrics has no vllm:cache_config_info "
+                       "with a cache_dtype label")
+
+
+def write_markdown(out: Path, sweep_rows, agent_row, label,
+                   kv_dtype) -> None:
     lines = [f"# Serving benchmark: {label}", "",
              "| concurrency | output tok/s | per stream tok/s | median TTFT ms "
              "| median TPOT ms | reference tok/s (v6e-1, BF16 export) |",
@@ -171,14 +230,18 @@ def write_markdown(out: Path, sweep_rows, agent_row, label) -> None:
                      f"{r['per_stream_tok_s']:.1f} | {r['median_ttft_ms']:.1f} "
                      f"| {r['median_tpot_ms']:.1f} | {ref} |")
     a = agent_row
-    lines += ["", "| agents x turns | aggregate tok/s | per stream tok/s | "
+    valid = a["tool_call_valid_rate"]
+    lines += ["", f"Agents (KV cache {kv_dtype}):", "",
+              "| agents x turns | aggregate tok/s | per stream tok/s | "
               "median TTFT ms | median TPOT ms | prefix-cache hit rate | "
-              "JSON valid |", "| --- | --- | --- | --- | --- | --- | --- |",
+              "turns ending in a tool call | tool calls valid |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |",
               f"| {a['agents']} x {a['turns']} | {a['aggregate_tok_s']:.1f} | "
               f"{a['per_stream_tok_s']:.1f} | {a['median_ttft_ms']:.1f} | "
               f"{a['median_tpot_ms'] or float('nan'):.1f} | "
               f"{a['prefix_cache_hit_rate'] or 0:.2f} | "
-              f"{a['json_valid_rate']:.2f} |"]
+              f"{a['tool_call_turn_rate']:.2f} | "
+              f"{'-' if valid is None else f'{valid:.2f}'} |"]
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
@@ -226,29 +289,34 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("serve-bench-out"))
+    parser.add_argument("--kv-cache-dtype", help="the KV cache dtype the "
+                        "server must run (smoke: passed to its server)")
     parser.add_argument("--smoke", action="store_true", help="start a "
-                        "CPU-mode server on the tiny model; small sizes")
+                        "CPU-mode server on the tiny agent model; small sizes")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         from vllm_gemma_qat.cpu.server import CpuServer
-        from vllm_gemma_qat.testing import tiny
-        model_dir = args.out / "tiny-model"
+        model_dir = args.out / "tiny-agent-model"
         if model_dir.exists():
             shutil.rmtree(model_dir)
-        tiny.save_servable(model_dir)
-        server = CpuServer(model_dir, "--max-model-len", "1024",
-                           "--structured-outputs-config",
-                           '{"backend": "xgrammar", "disable_any_whitespace": true}',
-                           log=args.out / "server.log", step_tokens=None)
+        agent.save_servable(model_dir)
+        kv = ["--kv-cache-dtype", args.kv_cache_dtype] \
+            if args.kv_cache_dtype else []
+        server = CpuServer(model_dir, "--max-model-len", "1024", *SERVE_FLAGS,
+                           *kv, log=args.out / "server.log", step_tokens=None)
         args.model = args.tokenizer = str(model_dir)
         args.concurrency, args.input_len, args.output_len = [1, 2], 48, 8
         args.agents, args.turns = 2, 2
-        label = "CPU smoke (tiny model, CPU mode)"
+        label = "CPU smoke (tiny agent model, CPU mode)"
     else:
         server, label = None, f"{args.model} via gemma_qat"
     with server or contextlib.nullcontext():
         base_url = server.url if server else args.base_url
+        kv_dtype = served_kv_cache_dtype(base_url)
+        if args.kv_cache_dtype and kv_dtype != args.kv_cache_dtype:
+            raise SystemExit(f"{base_url} runs --kv-cache-dtype {kv_dtype}, "
+                             f"not {args.kv_cache_dtype}")
         rows = sweep(base_url, args.model, args.tokenizer or args.model,
                      args.concurrency, args.input_len, args.output_len,
                      args.out)
@@ -256,9 +324,9 @@ def main() -> None:
                            max_tokens=48)
         print(f"agents: {agent_row}", flush=True)
     (args.out / "results.json").write_text(json.dumps(
-        {"label": label, "sweep": rows, "agents": agent_row,
-         "reference_tok_s": REFERENCE_TOK_S}, indent=1))
-    write_markdown(args.out, rows, agent_row, label)
+        {"label": label, "kv_cache_dtype": kv_dtype, "sweep": rows,
+         "agents": agent_row, "reference_tok_s": REFERENCE_TOK_S}, indent=1))
+    write_markdown(args.out, rows, agent_row, label, kv_dtype)
     plot(args.out, rows, label)
     print(f"wrote {args.out}/results.json, results.md, plot.png")
 
