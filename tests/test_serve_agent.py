@@ -1,29 +1,39 @@
 """What agents run, through `vllm serve --load-format gemma_qat` with vLLM's
 Gemma 4 recipe flags (`--enable-auto-tool-choice --tool-call-parser gemma4
---reasoning-parser gemma4`), `--dtype bfloat16`, bf16 or fp8 KV: a tiny
-Gemma 4 trained here to answer in Gemma 4's tool format (testing/agent.py)
-returns parsed tool calls (streamed and not), separated reasoning, an answer
-to a tool result, and greedy tokens equal to transformers (fp32)."""
+--reasoning-parser gemma4`), bf16 or fp32, bf16 or fp8 (e4m3, e5m2) KV: a
+tiny Gemma 4 trained here to answer in Gemma 4's tool format
+(testing/agent.py) returns parsed tool calls (streamed and not), separated
+reasoning, an answer to a tool result, greedy tokens equal to transformers
+(fp32), and prompt logprobs within derived tolerances of transformers in
+fp32 with exact K/V."""
 import json
 import urllib.request
 
 import pytest
 
-from harness import hf_greedy
+import numpy as np
+
+from harness import hf_greedy, hf_token_logprobs
 from vllm_gemma_qat import quantization
 from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import agent
 
 PARSERS = ["--enable-auto-tool-choice", "--tool-call-parser", "gemma4",
            "--reasoning-parser", "gemma4"]
-# The QAT bf16 export (its other tensors fp32: --dtype bfloat16 casts them);
-# the q4_0 export served as int4 with a float8_e4m3fn KV cache.
+# name: (export form, flags, activation dtype, KV cache dtype). The QAT bf16
+# export (its other tensors fp32: --dtype bfloat16 casts them) with a bf16
+# cache; the q4_0 export served as int4 with a float8_e4m3fn cache; the QAT
+# export in fp32 with a float8_e5m2 cache (fp32 isolates the cache's
+# rounding: the server must then match transformers with K/V so rounded).
 CONFIGS = {
-    "bf16": (None, ["--dtype", "bfloat16"]),
+    "bf16": (None, ["--dtype", "bfloat16"], "bfloat16", "bfloat16"),
     "int4-fp8": ("q4_0", ["--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
                           "--hf-overrides", json.dumps({
                               "quantization_config":
-                              quantization.w4a16_quantization_config()})]),
+                              quantization.w4a16_quantization_config()})],
+                 "bfloat16", "float8_e4m3fn"),
+    "fp32-e5m2": (None, ["--dtype", "float32", "--kv-cache-dtype",
+                         "fp8_e5m2"], "float32", "float8_e5m2"),
 }
 PARIS = [{"role": "user", "content": "Weather in Paris?"}]
 
@@ -32,7 +42,7 @@ PARIS = [{"role": "user", "content": "Weather in Paris?"}]
     pytest.param(c, marks=pytest.mark.xdist_group(f"agent-{c}"))
     for c in CONFIGS])
 def served(request, tmp_path_factory):
-    form, flags = CONFIGS[request.param]
+    form, flags, _, _ = CONFIGS[request.param]
     root = tmp_path_factory.mktemp(f"agent-{request.param}")
     hf = agent.save_servable(root / "model", form)
     with CpuServer(root / "model", *flags, *PARSERS,
@@ -126,6 +136,63 @@ def test_greedy_tokens_equal_transformers_on_every_trained_turn(served):
         assert tokens == answer_ids == hf_greedy(hf, prompt_ids,
                                                  len(answer_ids)), config
     log = server.log.read_text()
+    assert f"regular_attn_dtype={CONFIGS[config][3]}" in log
     if config == "int4-fp8":
         assert "q4_0 bf16 linears recovered exactly" in log
-        assert "float8_e4m3fn" in log  # the KV cache's dtype
+
+
+# fp32 with an fp8 cache: the server and transformers with K/V rounded the
+# same way compute the same thing in a different order; fp32 accumulation
+# over ~100 positions and 6 layers differs by ~1e-5 (measured <= 3.2e-5).
+SAME_MATH = 1e-4
+# bf16: two implementations of the same computation, each rounding to bf16
+# at its own places, drift from fp32 by errors of the same size; the
+# server may drift twice as far as transformers in the same precision
+# (bf16 weights and activations, K/V rounded to the cache dtype) does.
+BF16_ALLOWANCE = 2.0
+
+
+def test_prompt_logprobs_within_derived_tolerance_of_fp32_exact_kv(served):
+    # Every trained conversation (~80-95 tokens: past the 32-token window)
+    # read as a prompt; the logprob vLLM returns for each token against
+    # transformers in fp32 with exact K/V.
+    server, hf, model, config = served
+    import copy
+
+    import torch
+    from transformers import AutoTokenizer
+    _, _, dtype, kv = CONFIGS[config]
+    kv = kv if kv.startswith("float8") else None
+    same_precision = copy.deepcopy(hf).to(getattr(torch, dtype))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    served_lp, exact, same, shared_exact = [], [], [], []
+    for prompt_ids, answer_ids in agent.examples(tokenizer):
+        ids = prompt_ids + answer_ids
+        r = server.post("/v1/completions", {
+            "model": model, "prompt": ids, "max_tokens": 1,
+            "temperature": 0, "prompt_logprobs": 0})
+        rows = r["choices"][0]["prompt_logprobs"][1:]
+        served_lp.append([row[str(t)]["logprob"]
+                          for row, t in zip(rows, ids[1:])])
+        exact.append(hf_token_logprobs(hf, ids))
+        same.append(hf_token_logprobs(same_precision, ids, kv))
+        if kv and dtype == "float32":
+            shared_exact.append(hf_token_logprobs(hf, ids, kv, True))
+    served_lp, exact, same = (np.concatenate(x)
+                              for x in (served_lp, exact, same))
+    drift = np.abs(served_lp - exact)
+    reference_drift = np.abs(same - exact)
+    print(f"{config}: {drift.size} positions, max |served - fp32 exact KV| "
+          f"{drift.max():.3g}, transformers in {dtype} / {kv or dtype} KV "
+          f"{reference_drift.max():.3g}")
+    if dtype == "float32":
+        gap = np.abs(served_lp - same).max()
+        print(f"{config}: max |served - transformers, same rounding| {gap:.3g}")
+        assert gap <= SAME_MATH
+        assert (drift <= reference_drift + SAME_MATH).all()
+        if kv:  # the shared layers read their source's rounded cache
+            off = np.abs(served_lp - np.concatenate(shared_exact)).max()
+            print(f"{config}: ... if shared layers read exact K/V {off:.3g}")
+            assert off > 10 * SAME_MATH, off
+    else:
+        assert drift.max() <= BF16_ALLOWANCE * reference_drift.max()
