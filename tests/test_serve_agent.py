@@ -7,6 +7,9 @@ reasoning, an answer to a tool result, greedy tokens equal to transformers
 (fp32), and prompt logprobs within derived tolerances of transformers in
 fp32 with exact K/V."""
 import json
+import re
+import shutil
+import subprocess
 import urllib.request
 
 import pytest
@@ -196,3 +199,29 @@ def test_prompt_logprobs_within_derived_tolerance_of_fp32_exact_kv(served):
             assert off > 10 * SAME_MATH, off
     else:
         assert drift.max() <= BF16_ALLOWANCE * reference_drift.max()
+
+
+def test_plan_predicts_the_kv_cache_the_server_allocates(served):
+    # `plan` as a user runs it, for the server's --dtype and
+    # --kv-cache-dtype, the CPU's "HBM" and vLLM's default utilization,
+    # against what the server logs: equal but for the pages' rounding.
+    server, _, model, config = served
+    form, _, dtype, kv = CONFIGS[config]
+    if form:
+        pytest.skip("CPU mode counts memory from JAX's live arrays, which "
+                    "take an int4 weight as 1 byte; a TPU's memory stats and "
+                    "plan count the packed 0.5")
+    log = server.log.read_text()
+    logged = int(re.search(r"TPU KV cache size: ([\d,]+) tokens",
+                           log).group(1).replace(",", ""))
+    page = int(re.search(r"regular_attn_shape=\(num_blocks, \((\d+),",
+                         log).group(1))
+    hbm = re.search(r"VLLM_GEMMA_QAT_CPU_MEMORY_GIB: ([\d.]+) GiB", log)[1]
+    kv_flag = {"bfloat16": "bf16", "float8_e5m2": "fp8_e5m2"}[kv]
+    out = subprocess.run(
+        [shutil.which("vllm-gemma-qat"), "plan", model, "--agents", "1",
+         "--context", "256", "--kv-dtype", kv_flag, "--dtype", dtype,
+         "--hbm-gib", hbm, "--json"],
+        capture_output=True, text=True, check=True)
+    planned = json.loads(out.stdout)["kv_cache_tokens"]
+    assert planned - page < logged <= planned, (planned, logged)

@@ -235,6 +235,9 @@ def _load_json(p: Path) -> dict:
         raise CheckpointError(f"{p}: not valid JSON ({e})") from None
 
 
+SERVED_DTYPE_BYTES = {"auto": None, "bfloat16": 2, "float32": 4}
+
+
 def cmd_plan(args) -> int:
     geo, weights, dtypes, source, config = _plan_inputs(args.target)
     p = plan.make_plan(geo, weights, agents=args.agents,
@@ -242,9 +245,11 @@ def cmd_plan(args) -> int:
                        hbm_gib=args.hbm_gib, utilization=args.utilization,
                        form=args.weights, tp=args.tp,
                        tokens_per_image=plan.soft_tokens_per_image(config),
-                       images_per_agent=args.images)
-    dtypes = ("int4 linears, the rest as loaded" if args.weights == "int4"
-              else dtypes)
+                       images_per_agent=args.images,
+                       dtype_bytes=SERVED_DTYPE_BYTES[args.dtype])
+    rest = "as stored" if args.dtype == "auto" else args.dtype
+    dtypes = (f"int4 linears, the rest {rest}" if args.weights == "int4"
+              else dtypes if args.dtype == "auto" else args.dtype)
     indivisible = _int4_tp_indivisible(geo, args.tp) \
         if args.weights == "int4" else []
     ok = p.fits and not indivisible
@@ -269,7 +274,9 @@ def cmd_plan(args) -> int:
           f"{geo.num_layers - geo.num_kv_shared_layers} of "
           f"{geo.num_layers} layers hold KV)")
     print(f"budget        {_gb(p.budget_bytes)} for KV per chip "
-          f"({args.hbm_gib:g} GiB x {args.utilization:g} - weights)")
+          f"({args.hbm_gib:g} GiB x {args.utilization:g} - weights): "
+          f"{p.kv_cache_tokens} tokens (vLLM logs 'TPU KV cache size: N "
+          "tokens', N rounded down to whole pages)")
     print(f"{args.agents} agents x {args.context} tokens:")
     print(f"  as tpu-inference allocates today   {_gb(p.kv_total_bytes)}"
           f"  {'fits' if p.fits else 'does NOT fit'}; max "
@@ -363,8 +370,13 @@ def main(argv=None) -> int:
                    default="bf16", help="KV cache dtype")
     p.add_argument("--hbm-gib", type=_positive(float), default=32.0,
                    help="accelerator memory per chip (v6e: 32)")
-    p.add_argument("--utilization", type=_fraction, default=0.9,
-                   help="vLLM --gpu-memory-utilization, in (0, 1]")
+    p.add_argument("--utilization", type=_fraction, default=0.92,
+                   help="vLLM --gpu-memory-utilization, in (0, 1] (vLLM's "
+                   "default: 0.92)")
+    p.add_argument("--dtype", choices=sorted(SERVED_DTYPE_BYTES),
+                   default="auto", help="vLLM --dtype: the weights other "
+                   "than int4 linears in this dtype (auto: as stored; the "
+                   "exports store bf16)")
     p.add_argument("--weights", choices=["bf16", "int4"], default="bf16",
                    help="int4: the linears as the w4a16 export holds them")
     p.add_argument("--images", type=_non_negative, default=0,

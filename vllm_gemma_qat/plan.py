@@ -4,7 +4,7 @@ one chip or a tensor-parallel slice (TP chips).
 KV figures follow tpu-inference's cache layout: only non-shared layers hold
 KV; per layer a token takes, on each chip, align(2 x kv_heads / TP, packing)
 x align(head_dim, 128) elements, where packing is 32 bits / dtype bits (bf16:
-2, fp8/int8: 4) and kv_heads is padded to a multiple of TP (E2B's one KV
+2, fp8: 4) and kv_heads is padded to a multiple of TP (E2B's one KV
 head is then held whole on every chip).
 Under TP, tpu-inference 0.32's Gemma 4 splits the attention and MLP
 projections (heads, MLP width; K/V on head_dim when KV heads < TP) and both
@@ -21,7 +21,11 @@ from dataclasses import asdict, dataclass
 
 from vllm_gemma_qat.geometry import Geometry
 
-KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1, "int8": 1}
+# bf16 (vLLM's --kv-cache-dtype auto on a bf16 model) and the fp8 names of
+# --kv-cache-dtype (tpu-inference: fp8 / fp8_e4m3 -> float8_e4m3fn, fp8_e5m2
+# -> float8_e5m2). No int8: vLLM has no such cache dtype and tpu-inference's
+# attention kernel refuses integer caches.
+KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 GIB = 1024**3
 SPLIT_UNDER_TP = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                   "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
@@ -73,14 +77,18 @@ class Weights:
     other_bytes: int = 0
     vision_bytes: int = 0  # the part of other_bytes that is the vision tower
 
-    def per_chip(self, geo: Geometry, form: str, tp: int) -> tuple[int, int]:
+    def per_chip(self, geo: Geometry, form: str, tp: int,
+                 dtype_bytes: int | None = None) -> tuple[int, int]:
         """(bytes in all, bytes on each chip); `form` "int4": linears as
-        4-bit values + a bf16 scale per 32."""
+        4-bit values + a bf16 scale per 32; `dtype_bytes`: the other
+        language-model tensors in the served dtype (None: as stored)."""
         linears = {m + ".weight" for m in geo.linear_modules("")}
         split = whole = 0
         for name, (nbytes, numel) in self.tensors.items():
             if form == "int4" and name in linears:
                 nbytes = numel // 2 + 2 * (numel // 32)
+            elif dtype_bytes:
+                nbytes = numel * dtype_bytes
             if split_under_tp(name):
                 split += nbytes
             else:
@@ -102,6 +110,7 @@ class Plan:
     kv_total_bytes: int
     kv_total_bytes_swa: int
     budget_bytes: int  # per chip; KV figures are per chip too
+    kv_cache_tokens: int  # what vLLM logs as "TPU KV cache size" (to a page)
     fits: bool
     fits_swa: bool
     max_agents_at_context: int
@@ -120,9 +129,13 @@ class Plan:
 
 def make_plan(geo: Geometry, weights: Weights, *, agents: int,
               context: int, kv_dtype: str = "bf16", hbm_gib: float = 32.0,
-              utilization: float = 0.9, form: str = "bf16",
+              utilization: float = 0.92, form: str = "bf16",
               tp: int = 1, tokens_per_image: int | None = None,
-              images_per_agent: int = 0) -> Plan:
+              images_per_agent: int = 0,
+              dtype_bytes: int | None = None) -> Plan:
+    """`utilization`: vLLM's --gpu-memory-utilization (its default 0.92);
+    the budget is tpu-inference's: HBM x utilization - what the chip holds
+    (the weights)."""
     own = [i for i in range(geo.num_layers) if i not in geo.kv_share_map]
     per_layer = {i: kv_bytes_per_layer_token(geo, i, kv_dtype, tp)
                  for i in own}
@@ -141,8 +154,8 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
         return min(tokens, limit) if limit else tokens
 
     in_range = not limit or context <= limit
-    total, per_chip = weights.per_chip(geo, form, tp)
-    budget = max(0, int(hbm_gib * GIB * utilization) - per_chip)
+    total, per_chip = weights.per_chip(geo, form, tp, dtype_bytes)
+    budget = max(0, int(int(hbm_gib * GIB) * utilization - per_chip))
     max_ctx_swa = 0
     if agents:
         cap = budget // agents
@@ -162,6 +175,7 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
         kv_total_bytes=agents * context * per_token,
         kv_total_bytes_swa=agents * swa_agent(context),
         budget_bytes=budget,
+        kv_cache_tokens=budget // per_token,
         fits=in_range and agents * context * per_token <= budget,
         fits_swa=in_range and agents * swa_agent(context) <= budget,
         max_agents_at_context=budget // (context * per_token) if context else 0,
