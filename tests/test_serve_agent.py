@@ -209,8 +209,8 @@ def test_plan_predicts_the_kv_cache_the_server_allocates(served):
     form, _, dtype, kv = CONFIGS[config]
     if form:
         pytest.skip("CPU mode counts memory from JAX's live arrays, which "
-                    "take an int4 weight as 1 byte; a TPU's memory stats and "
-                    "plan count the packed 0.5")
+                    "take an int4 weight as 1 byte; plan counts them packed, "
+                    "two per byte (a TPU's memory stats: not measured here)")
     log = server.log.read_text()
     logged = int(re.search(r"TPU KV cache size: ([\d,]+) tokens",
                            log).group(1).replace(",", ""))
