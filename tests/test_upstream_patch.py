@@ -1,5 +1,5 @@
 """patches/ fixes tpu-inference itself (#3225; image steps; preemption;
-one cache clear per weight load): applied to a
+one cache clear per weight load; weights in the model's dtype): applied to a
 copy of the installed (pinned) tpu-inference, stock `auto` loads both
 layouts with no plugin, each patch's own tests pass, and the plugin steps
 aside."""
@@ -34,6 +34,9 @@ NEW_TEST_FILES = {
          "tpu_inference/runner/tpu_runner.py")),
     "0004-Weights-Clear-JAX-caches-once-per-load-not-per-module.patch": (
         "tests/models/jax/test_weight_loading_compiles.py",
+        ("tpu_inference/models/jax/utils/weight_utils.py", )),
+    "0005-Weights-Load-floating-point-weights-in-the-model-dtype.patch": (
+        "tests/models/jax/test_weight_loading_dtype.py",
         ("tpu_inference/models/jax/utils/weight_utils.py", )),
 }
 
@@ -115,6 +118,7 @@ def test_stock_auto_loads_both_layouts_with_patch_and_no_plugin(
                VLLM_PLUGINS="register_layers")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert out.stdout.count("ok stock auto") == 4, out.stdout
+    assert "ok stock bfloat16 from float32 e4b-regular" in out.stdout  # 0005
 
 
 def test_patch_own_tests_pass_against_patched_copy(patched):

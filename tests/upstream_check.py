@@ -1,6 +1,7 @@
 """Run in a subprocess with a patched tpu-inference copy first on sys.path.
 
     python upstream_check.py stock <ckpt>...   # stock `auto`, plugin not loaded
+                                               # (+ the last one in bfloat16)
     python upstream_check.py plugin <ckpt>     # gemma_qat with the plugin
 
 Prints one line per checkpoint; exits non-zero on the first failure.
@@ -45,6 +46,25 @@ def main(mode, paths):
         diff = float(np.abs(got - ref).max())
         assert diff < 1e-4, diff
         print(f"ok {mode} {load_format} {geometry} {layout} max|dlogit|={diff:.2e}")
+    if mode == "stock":
+        check_served_in_bfloat16(paths[-1], prompt)
+
+
+def check_served_in_bfloat16(path, prompt):
+    """The float32 checkpoint under --dtype bfloat16 (vLLM's default for a
+    float32 model): every floating-point weight is bfloat16 and a step runs
+    against a bfloat16 KV cache (0.32.0 kept float32 weights, and the
+    attention's dtype check failed at the first request)."""
+    import jax
+    import jax.numpy as jnp
+    model, config, mesh = runner.load(path, "auto", dtype="bfloat16")
+    dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(model.state_leaves)
+              if jnp.issubdtype(leaf.dtype, jnp.floating)}
+    assert dtypes == {"bfloat16"}, dtypes
+    with cpu.kernels():
+        logits = runner.PagedRunner(model, config, mesh).step(prompt)
+    assert np.isfinite(logits).all()
+    print(f"ok stock bfloat16 from float32 {path.rsplit('/', 1)[-1]}")
 
 
 if __name__ == "__main__":

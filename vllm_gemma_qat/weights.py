@@ -25,9 +25,10 @@ class WeightFeed:
     # int4: their weight is handed over packed (see vllm_gemma_qat.int4).
     int4_modules: set[str] = field(default_factory=set)
     # The served dtype (vLLM's --dtype: torch's, or on tpu-inference a JAX
-    # one, made torch's once): other floating-point tensors are cast to it. tpu-inference's JAX loader keeps a tensor's
-    # checkpoint dtype, so a float32 checkpoint under --dtype bfloat16 gave
-    # float32 K/V that the bf16 KV cache refused, killing the engine.
+    # one, made torch's once): other floating-point tensors are cast to it.
+    # tpu-inference 0.32's JAX loader keeps a tensor's checkpoint dtype, so a
+    # float32 checkpoint under --dtype bfloat16 gave float32 K/V that the
+    # bf16 KV cache refused, killing the engine (upstream fix: patches/0005).
     dtype: object = None
     handed_over: int = 0
 
