@@ -9,7 +9,7 @@ Layout: README.md, section Layout.
 """
 __version__ = "0.1.0"
 
-LOAD_FORMAT = "gemma_qat"
+from vllm_gemma_qat.gate import LOAD_FORMAT  # re-exported: the name users know
 
 
 def register() -> None:

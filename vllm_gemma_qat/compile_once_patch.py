@@ -30,7 +30,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from vllm_gemma_qat import LOAD_FORMAT, substitute
+from vllm_gemma_qat import substitute
+from vllm_gemma_qat.gate import LOAD_FORMAT
 from vllm_gemma_qat.substitute import Substitution
 
 # Imported by tpu-inference's JAX model loading (it calls jax.clear_caches()).

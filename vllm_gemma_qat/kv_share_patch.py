@@ -27,7 +27,8 @@ import sys
 
 from vllm.logger import init_logger
 
-from vllm_gemma_qat import LOAD_FORMAT, substitute
+from vllm_gemma_qat import substitute
+from vllm_gemma_qat.gate import LOAD_FORMAT, is_gemma_qat
 from vllm_gemma_qat.substitute import Substitution
 
 TARGET_MODULE = "tpu_inference.models.jax.gemma4"
@@ -139,13 +140,13 @@ def _guarded_model_init(init, unsupported: str | None):
 
     @functools.wraps(init)
     def __init__(self, vllm_config, *args, **kwargs):
-        load_format = getattr(vllm_config.load_config, "load_format", None)
-        if load_format == LOAD_FORMAT and unsupported:
+        gemma_qat = is_gemma_qat(vllm_config)
+        if gemma_qat and unsupported:
             raise UnsupportedTpuInference(
                 f"--load-format {LOAD_FORMAT} does not support the installed "
                 f"tpu-inference {tpu_inference_version()}: {unsupported}. "
                 f"Supported: tpu-inference {SUPPORTED}")
-        token = _building_for_gemma_qat.set(load_format == LOAD_FORMAT)
+        token = _building_for_gemma_qat.set(gemma_qat)
         try:
             init(self, vllm_config, *args, **kwargs)
         finally:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import functools
 
-from vllm_gemma_qat import LOAD_FORMAT, substitute
+from vllm_gemma_qat import substitute
+from vllm_gemma_qat.gate import LOAD_FORMAT, is_gemma_qat
 from vllm_gemma_qat.substitute import Substitution
 
 TARGET_MODULE = "tpu_inference.models.jax.gemma4_mm"
@@ -56,17 +57,14 @@ def substitutions() -> list[Substitution]:
     ]
 
 
-def _gemma_qat(vllm_config) -> bool:
-    return getattr(vllm_config.load_config, "load_format", None) == LOAD_FORMAT
-
-
 def _ids_with_embeds(get_input_ids_embeds):
 
     @functools.wraps(get_input_ids_embeds)
     def wrapped(self, input_ids, mm_embeds, is_mm_embed):
         ids, embeds = get_input_ids_embeds(self, input_ids, mm_embeds,
                                            is_mm_embed)
-        if ids is None and embeds is not None and _gemma_qat(self.vllm_config):
+        if (ids is None and embeds is not None
+                and is_gemma_qat(self.vllm_config)):
             return input_ids, embeds
         return ids, embeds
 
@@ -78,7 +76,7 @@ def _precompile_embeds_with_ids(helper):
     @functools.wraps(helper)
     def wrapped(self, name, *, input_ids, inputs_embeds, **kwargs):
         if (input_ids is None and inputs_embeds is not None
-                and _gemma_qat(self.runner.vllm_config)):
+                and is_gemma_qat(self.runner.vllm_config)):
             import jax.numpy as jnp
             from jax.sharding import NamedSharding, PartitionSpec
             from tpu_inference.layers.common.sharding import ShardingAxisName
@@ -99,7 +97,7 @@ def _pixels_by_value(parse):
     def wrapped(self, **kwargs):
         import torch
         pixel_values = kwargs.get("pixel_values")
-        if isinstance(pixel_values, torch.Tensor) and _gemma_qat(
+        if isinstance(pixel_values, torch.Tensor) and is_gemma_qat(
                 self.vllm_config):
             from tpu_inference.models.jax.utils.multi_modal_utils import \
                 convert_torch_tensor_to_jax

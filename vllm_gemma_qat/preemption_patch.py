@@ -24,7 +24,8 @@ import functools
 
 from vllm.logger import init_logger
 
-from vllm_gemma_qat import LOAD_FORMAT, substitute
+from vllm_gemma_qat import substitute
+from vllm_gemma_qat.gate import LOAD_FORMAT, is_gemma_qat
 from vllm_gemma_qat.substitute import Substitution
 
 RUNNER_MODULE = "tpu_inference.runner.tpu_runner"
@@ -81,9 +82,8 @@ def _restoring_resumed(execute_model):
 
     @functools.wraps(execute_model)
     def wrapped(self, scheduler_output, *args, **kwargs):
-        if (self.scheduler_config.async_scheduling and getattr(
-                self.vllm_config.load_config, "load_format", None)
-                == LOAD_FORMAT):
+        if (self.scheduler_config.async_scheduling
+                and is_gemma_qat(self.vllm_config)):
             corrected = restore_resumed_tokens(self.requests, self.input_batch,
                                                scheduler_output)
             if corrected:  # once per process: preemption can be frequent

@@ -11,8 +11,9 @@ from __future__ import annotations
 import functools
 import os
 
-from vllm_gemma_qat import LOAD_FORMAT, checkpoint, geometry
+from vllm_gemma_qat import checkpoint, geometry
 from vllm_gemma_qat.checkpoint import CheckpointError
+from vllm_gemma_qat.gate import is_gemma_qat
 from vllm_gemma_qat.substitute import Substitution
 
 
@@ -28,7 +29,7 @@ def check_before_engine(create_engine_config):
 
     @functools.wraps(create_engine_config)
     def wrapped(self, *args, **kwargs):
-        if getattr(self, "load_format", None) == LOAD_FORMAT:
+        if is_gemma_qat(self):
             check_local_checkpoint(self.model, getattr(self, "revision", None),
                                    getattr(self, "download_dir", None),
                                    getattr(self, "tensor_parallel_size", 1),

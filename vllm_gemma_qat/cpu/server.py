@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_gemma_qat import LOAD_FORMAT
+from vllm_gemma_qat.gate import LOAD_FORMAT
 from vllm_gemma_qat.cpu import CPU_MODE_ENV
 
 # By default these servers pad every step to this many tokens, so
