@@ -12,7 +12,7 @@ size), peak RSS, final parameter bytes and the XLA programs compiled (from
 JAX's compile log), with ratios. --before adds one load each of gemma_qat
 bf16 and int4 with tpu-inference's clear of JAX's caches after every module
 (VLLM_GEMMA_QAT_CLEAR_CACHES_PER_MODULE=1: how it loaded before
-compile_once_patch).
+fixes/compile_once.py).
 
     ./run python benchmarks/load_bench.py [--scale 1.0] [--runs N] [--before]
                                           [--cache DIR] [--skip-int4]
@@ -138,7 +138,7 @@ def child(path: str, load_format: str, int4_flag: str, out: str) -> None:
     from vllm.plugins import load_general_plugins
 
     from vllm_gemma_qat import quantization, weights
-    from vllm_gemma_qat.compile_once_patch import CompileLog
+    from vllm_gemma_qat.fixes.compile_once import CompileLog
     from vllm_gemma_qat.testing import runner
     load_general_plugins()
     overrides = ({"quantization_config":

@@ -3,7 +3,7 @@
 tpu-inference 0.32's weight loader clears JAX's in-memory caches after every
 module, so each module's processing programs (device puts, transposes, the
 wNa16 unpack) compile again for every module. Under gemma_qat those clears
-are one at the end of the load (`compile_once_patch.py`); `auto` keeps
+are one at the end of the load (`fixes/compile_once.py`); `auto` keeps
 tpu-inference's. Counts come from JAX's compile log and are deterministic
 (a persistent-cache hit is logged as a compile too). Text-only tiny models
 keep this cheap."""
@@ -14,7 +14,7 @@ import pytest
 from jax._src.interpreters import pxla
 
 from vllm_gemma_qat import substitute
-from vllm_gemma_qat.compile_once_patch import CompileLog
+from vllm_gemma_qat.fixes.compile_once import CompileLog
 from vllm_gemma_qat.testing import runner, tiny
 
 # Programs compiled more than once that no clear explains: the model build

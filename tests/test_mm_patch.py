@@ -7,13 +7,14 @@ from unittest.mock import MagicMock
 import numpy as np
 import pytest
 
-from vllm_gemma_qat import mm_patch, substitute
+from vllm_gemma_qat import substitute
+from vllm_gemma_qat.fixes import image_steps
 
 
 @pytest.fixture(scope="module")
 def installed(plugin):
     import tpu_inference.models.jax.gemma4_mm  # noqa: F401 (installs)
-    for s in mm_patch.substitutions():
+    for s in image_steps.substitutions():
         assert substitute.installed(s.target), s.target
 
 

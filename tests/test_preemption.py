@@ -1,7 +1,7 @@
 """Under KV pressure vLLM preempts requests and recomputes them later; with
 async scheduling tpu-inference 0.32 recomputed a resumed request with a
 placeholder token 0 (issue #21). Under `--load-format gemma_qat` the plugin
-restores its tokens (`preemption_patch`): answers equal transformers, an
+restores its tokens (`fixes/preemption.py`): answers equal transformers, an
 aborted preempted / waiting request leaves nothing behind, and three times
 `--max-num-seqs` concurrent requests are each answered once, right."""
 import http.client
@@ -90,7 +90,7 @@ def test_stock_manager_resumes_with_the_placeholder():
 
 
 def test_restored_before_update_states_the_batch_holds_the_real_token():
-    from vllm_gemma_qat.preemption_patch import restore_resumed_tokens
+    from vllm_gemma_qat.fixes.preemption import restore_resumed_tokens
     manager = _manager()
     step = _preempted_with_placeholder_then_resumed(manager)
     assert restore_resumed_tokens(manager.requests, manager.input_batch,
@@ -105,7 +105,7 @@ def test_restored_before_update_states_the_batch_holds_the_real_token():
     ("gemma_qat", False, False)])
 def test_only_gemma_qat_with_async_scheduling_changes_anything(
         load_format, async_scheduling, restored):
-    from vllm_gemma_qat.preemption_patch import _restoring_resumed
+    from vllm_gemma_qat.fixes.preemption import _restoring_resumed
     manager = _manager()
     step = _preempted_with_placeholder_then_resumed(manager)
     seen = []

@@ -167,7 +167,7 @@ def test_structural_guard_on_gemma4_sources():
     import importlib.util
     from pathlib import Path
 
-    from vllm_gemma_qat.kv_share_patch import unsupported_structure_in_source
+    from vllm_gemma_qat.fixes.kv_share import unsupported_structure_in_source
     source = Path(importlib.util.find_spec("tpu_inference").origin).parent.joinpath(
         "models/jax/gemma4.py").read_text()
     assert unsupported_structure_in_source(source) is None

@@ -1,27 +1,33 @@
-"""The runtime substitutions, declared once: every target of the kv-share,
-image, preemption and compile-once patches and of CPU mode exists in the installed
-tpu-inference; a missing target is named, never silently added; CPU mode
-refuses TPU machines."""
+"""The runtime substitutions, declared once: every target of the fixes
+(`vllm_gemma_qat.fixes`: kv-share, image steps, preemption, compile-once),
+of preflight and of CPU mode exists in the installed tpu-inference; a
+missing target is named, never silently added; CPU mode refuses TPU
+machines."""
 import pytest
 
-from vllm_gemma_qat import (compile_once_patch, cpu, kv_share_patch, mm_patch,
-                            preemption_patch, preflight, substitute)
+from vllm_gemma_qat import cpu, fixes, preflight, substitute
+from vllm_gemma_qat.fixes import compile_once, image_steps, kv_share, preemption
 from vllm_gemma_qat.substitute import MissingTarget, Substitution
+
+NAMES = ["kv_share", "image_steps", "preemption", "compile_once", "preflight",
+         "CPU kernels", "CPU runtime"]
 
 
 def tables():
-    return {"kv-share patch": kv_share_patch.substitutions(None),
+    return {"kv_share": kv_share.substitutions(None),
+            "image_steps": image_steps.substitutions(),
+            "preemption": preemption.substitutions(),
+            "compile_once": compile_once.substitutions(),
             "preflight": preflight.substitutions(),
-            "images": mm_patch.substitutions(),
-            "preemption": preemption_patch.substitutions(),
-            "weight loading": compile_once_patch.substitutions(),
             "CPU kernels": cpu.kernel_substitutions(),
             "CPU runtime": cpu.runtime_substitutions()}
 
 
-@pytest.mark.parametrize("name", ["kv-share patch", "preflight", "images",
-                                  "preemption", "weight loading",
-                                  "CPU kernels", "CPU runtime"])
+def test_every_installed_fix_has_its_table_checked():
+    assert set(fixes.ALL) <= set(NAMES) == set(tables())
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_every_target_exists_in_the_installed_stack(name):
     table = tables()[name]
     assert table

@@ -21,7 +21,7 @@ def main(mode, paths):
     load_general_plugins()
     from tpu_inference.models.common import kv_share
     assert hasattr(kv_share, "skip_kv_shared_layer_weights"), kv_share.__file__
-    plugin_loaded = "vllm_gemma_qat.kv_share_patch" in sys.modules
+    plugin_loaded = "vllm_gemma_qat.fixes.kv_share" in sys.modules
     assert plugin_loaded == (mode == "plugin"), plugin_loaded
     for path in paths:
         geometry, layout = path.rsplit("/", 1)[-1].split("-")

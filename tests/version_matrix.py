@@ -46,7 +46,7 @@ from types import SimpleNamespace
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 import tpu_inference.models.jax.gemma4 as gemma4
-from vllm_gemma_qat.kv_share_patch import UnsupportedTpuInference
+from vllm_gemma_qat.fixes.kv_share import UnsupportedTpuInference
 config = SimpleNamespace(load_config=SimpleNamespace(load_format="gemma_qat"))
 try:
     gemma4.Gemma4Model(config, None, None)
@@ -67,7 +67,7 @@ def pip(*args, python=sys.executable) -> subprocess.CompletedProcess:
 
 
 def guard_verdict(wheel: Path) -> str:
-    from vllm_gemma_qat.kv_share_patch import unsupported_structure_in_source
+    from vllm_gemma_qat.fixes.kv_share import unsupported_structure_in_source
     with zipfile.ZipFile(wheel) as z:
         if GEMMA4 not in z.namelist():
             return "refuse: no Gemma 4 model"
@@ -108,7 +108,7 @@ def full(results: dict, vllm_tpu_versions: list[str]) -> None:
              "print(m.version('tpu-inference'))"],
             capture_output=True, text=True).stdout.strip()
         env = dict(os.environ, **CPU_ENV)
-        from vllm_gemma_qat.kv_share_patch import unsupported_structure_in_source
+        from vllm_gemma_qat.fixes.kv_share import unsupported_structure_in_source
         source = subprocess.run(
             [python, "-c", "import importlib.util, pathlib; print(pathlib.Path("
              "importlib.util.find_spec('tpu_inference').origin).parent / "

@@ -16,14 +16,10 @@ def register() -> None:
     from vllm.model_executor.model_loader import (_LOAD_FORMAT_TO_MODEL_LOADER,
                                                   register_model_loader)
 
-    from vllm_gemma_qat import (compile_once_patch, kv_share_patch, mm_patch,
-                                preemption_patch, preflight, substitute)
+    from vllm_gemma_qat import fixes, preflight, substitute
     from vllm_gemma_qat.loader import GemmaQatModelLoader
 
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not GemmaQatModelLoader:
         register_model_loader(LOAD_FORMAT)(GemmaQatModelLoader)
     substitute.apply(preflight.substitutions(), "vllm-gemma-qat")
-    kv_share_patch.install()
-    preemption_patch.install()
-    mm_patch.install()
-    compile_once_patch.install()
+    fixes.install_all()

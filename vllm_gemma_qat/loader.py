@@ -10,8 +10,8 @@ from __future__ import annotations
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from vllm_gemma_qat import (checkpoint, compile_once_patch, geometry,
-                            quantization, weights)
+from vllm_gemma_qat import checkpoint, geometry, quantization, weights
+from vllm_gemma_qat.fixes import compile_once
 
 # Under the "vllm" logger so the lines show in vLLM's own log output.
 logger = init_logger(f"vllm.{__name__}")
@@ -41,9 +41,9 @@ class GemmaQatModelLoader(BaseModelLoader):
         feed = weights.WeightFeed(report, int4_from_bf16, model_config.dtype)
         progress = getattr(self.load_config, "use_tqdm_on_load", True)
         # One clear of JAX's caches at the end, not one per module: each
-        # distinct processing program compiles once (compile_once_patch.py).
-        with compile_once_patch.CompileLog() as compiled, \
-                compile_once_patch.one_cache_clear() as deferred:
+        # distinct processing program compiles once (fixes/compile_once.py, patch 0004).
+        with compile_once.CompileLog() as compiled, \
+                compile_once.one_cache_clear() as deferred:
             loaded = model.load_weights(feed.tensors(ckpt, progress=progress))
             clears = deferred()
         feed.verify(model, loaded, ckpt)

@@ -22,7 +22,7 @@ def compile_cache_env(directory: str) -> dict[str, str]:
     at VLLM_XLA_CACHE_PATH). Tiny models compile in milliseconds, below
     JAX's default 1 s threshold, and under other load formats than gemma_qat
     tpu-inference clears JAX's in-memory caches after each module it loads
-    (gemma_qat: once per load, compile_once_patch), so without this such a
+    (gemma_qat: once per load, fixes/compile_once.py), so without this such a
     load compiles the same few small programs again for every module. No
     size cap: with one, JAX rescans the whole directory on every write. A
     reader that meets an entry still being written gets a warning and

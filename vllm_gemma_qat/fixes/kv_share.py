@@ -1,4 +1,5 @@
-"""Runtime fix for tpu-inference #3225, active only under --load-format gemma_qat.
+"""Runtime fix for tpu-inference #3225, active only under --load-format
+gemma_qat. Upstream patch: patches/0001-* (write-up: patches/README.md).
 
 tpu-inference 0.32's JAX `Gemma4Attention` builds k_proj / v_proj / k_norm on
 every layer, although KV-shared layers read K/V from their source layer's

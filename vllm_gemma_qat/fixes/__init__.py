@@ -1,0 +1,35 @@
+"""The plugin's run-time fixes to tpu-inference 0.32, one module per upstream
+bug, each the twin of a patch in `patches/` (write-ups: patches/README.md).
+Each acts only under `--load-format gemma_qat` (`vllm_gemma_qat.gate`).
+
+| module | patch | fixes |
+| --- | --- | --- |
+| `kv_share` | 0001 | #3225: KV-shared layers built with no K/V (and the structural guard; an ignored fused gate_up under compressed-tensors) |
+| `image_steps` | 0002 | image steps keep their token ids; pixel values converted by value |
+| `preemption` | 0003 | resumed requests keep their real output tokens (async scheduling) |
+| `compile_once` | 0004 | a weight load clears JAX's caches once, not per module |
+| `weight_dtype` | 0005 | floating-point weights loaded in the served dtype |
+
+`register` installs those in `ALL` (substitutions made when their
+tpu-inference module is imported); `weight_dtype` is applied by the loader's
+`WeightFeed` as it hands tensors over. This package imports no module of its
+own until asked: `weights` uses `weight_dtype` without pulling in vLLM.
+"""
+from __future__ import annotations
+
+import importlib
+
+# Installed by `register`, in this order.
+ALL = ("kv_share", "preemption", "image_steps", "compile_once")
+
+
+def modules() -> list:
+    return [importlib.import_module(f"{__name__}.{name}") for name in ALL]
+
+
+def install_all() -> None:
+    """Each fix in `ALL` patches its tpu-inference module now if imported,
+    else right after its import (cheap: nothing of tpu-inference is
+    imported here)."""
+    for module in modules():
+        module.install()
