@@ -10,6 +10,7 @@ import ml_dtypes  # also registers bfloat16 / int4 with numpy
 import numpy as np
 
 from vllm_gemma_qat.checkpoint import Checkpoint, CheckpointError, numel
+from vllm_gemma_qat.fixes import weight_dtype
 from vllm_gemma_qat.geometry import CheckpointReport
 from vllm_gemma_qat.quantization import PACKED_SUFFIXES
 
@@ -24,19 +25,13 @@ class WeightFeed:
     # Modules stored as bf16 on the q4_0 grid that the model holds as wNa16
     # int4: their weight is handed over packed (see vllm_gemma_qat.int4).
     int4_modules: set[str] = field(default_factory=set)
-    # The served dtype (vLLM's --dtype: torch's, or on tpu-inference a JAX
-    # one, made torch's once): other floating-point tensors are cast to it.
-    # tpu-inference 0.32's JAX loader keeps a tensor's checkpoint dtype, so a
-    # float32 checkpoint under --dtype bfloat16 gave float32 K/V that the
-    # bf16 KV cache refused, killing the engine (upstream fix: patches/0005).
+    # The served dtype (vLLM's --dtype, made torch's once): floating-point
+    # tensors are handed over in it (fixes/weight_dtype.py, patch 0005).
     dtype: object = None
     handed_over: int = 0
 
     def __post_init__(self):
-        import torch
-        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
-            from tpu_inference.utils import to_torch_dtype
-            self.dtype = to_torch_dtype(self.dtype)
+        self.dtype = weight_dtype.served_dtype(self.dtype)
 
     @property
     def skipped(self) -> list[str]:
@@ -60,15 +55,9 @@ class WeightFeed:
                 if module in self.int4_modules:
                     yield from packed_int4(module, tensor)
                 else:
-                    yield name, self._in_served_dtype(name, tensor)
+                    yield name, weight_dtype.in_served_dtype(
+                        name, tensor, self.dtype)
                 bar.update()
-
-    def _in_served_dtype(self, name: str, tensor):
-        if (self.dtype is None or not tensor.is_floating_point()
-                or tensor.dtype == self.dtype
-                or name.endswith(PACKED_SUFFIXES)):  # int4 scales stay as stored
-            return tensor
-        return tensor.to(self.dtype)
 
     def skip_summary(self) -> str:
         if not self.skipped:
