@@ -329,14 +329,53 @@ def _round_to_grid(model) -> dict:
     return grid
 
 
+# torch chooses its CPU kernels by instruction set (ATen's vectorized loops,
+# MKL's GEMM, oneDNN), so two x86 CPUs sum in different orders and the
+# same float32 training differs in its last bits; the straight-through q4_0
+# rounding turns such bits into other weights, i.e. another model (another
+# machine: other logprob drifts, an fp8 element on the other side of a
+# rounding boundary). The training process pins every choice to AVX2 code
+# paths, which every x86-64 CPU CI may run on has, with one thread.
+PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
+                  "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1",
+                  "MKL_NUM_THREADS": "1"}
+
+
 def save_servable(path: str | Path, form: str | None = None, seed: int = 0,
                   log=None):
-    """Train (`train`) and write a model directory `vllm serve` accepts: the
+    """Train (`train`, in a process with `PINNED_KERNELS`: torch reads them
+    when it starts) and write a model directory `vllm serve` accepts: the
     QAT export (form None: bf16 values; "q4_0" / "w4a16": tiny.py's int4
     forms), the tokenizer and a generation config whose stop tokens include
-    `<turn|>` and `<|tool_response>`. Returns the transformers model."""
+    `<turn|>` and `<|tool_response>`. Returns the trained transformers model
+    (fp32, eval mode), read back from `reference_dir(path)`."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import Gemma4ForCausalLM
+    command = [sys.executable, "-m", __name__, str(path), "--seed", str(seed)]
+    if form:
+        command += ["--form", form]
+    if log:
+        command.append("--log")
+    subprocess.run(command, check=True, env={**os.environ, **PINNED_KERNELS})
+    return Gemma4ForCausalLM.from_pretrained(
+        reference_dir(path), dtype=torch.float32).eval()
+
+
+def reference_dir(path: str | Path) -> Path:
+    """Where the trained model is kept in transformers' own format, beside
+    the served directory."""
+    path = Path(path)
+    return path.with_name(path.name + ".reference")
+
+
+def _save_trained(path: str | Path, form: str | None, seed: int, log=None):
     tokenizer = save_tokenizer(path)
     model, grid, _ = train(tokenizer, seed, log=log)
+    model.save_pretrained(reference_dir(path))
     if form is None:
         tiny.save_checkpoint(model, path, layout="qat", dtype=None)
     else:
@@ -345,4 +384,15 @@ def save_servable(path: str | Path, form: str | None = None, seed: int = 0,
     Path(path, "generation_config.json").write_text(json.dumps({
         "bos_token_id": 2, "pad_token_id": 0,
         "eos_token_id": [tiny_id(t) for t in STOP]}))
-    return model
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description=save_servable.__doc__)
+    parser.add_argument("path")
+    parser.add_argument("--form", choices=["q4_0", "w4a16"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log", action="store_true")
+    args = parser.parse_args()
+    _save_trained(args.path, args.form, args.seed,
+                  log=print if args.log else None)
