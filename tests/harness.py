@@ -21,42 +21,139 @@ def hf_token_logprobs(hf_model, token_ids, kv_dtype: str | None = None,
     type's range and cast (scale 1.0), queries kept; KV-shared layers then
     read their source's rounded K/V, or with `shared_layers_exact` the
     unrounded ones (what a cache-bypassing bug would read)."""
+    return _batch_logprobs(hf_model, [token_ids], kv_dtype,
+                           shared_layers_exact)[0]
+
+
+def _batch_logprobs(hf_model, batch, kv_dtype=None, shared_layers_exact=False):
+    """`hf_token_logprobs` of equally long sequences, in one forward."""
     import torch
     name = "sdpa"
     if kv_dtype:
         name = _kv_rounding_attention(kv_dtype, shared_layers_exact)
     before = hf_model.config._attn_implementation
     hf_model.set_attn_implementation(name)
+    ids = torch.tensor([list(t) for t in batch])
     try:
         with torch.no_grad():
-            logits = hf_model(input_ids=torch.tensor([list(token_ids)])).logits
+            logits = hf_model(input_ids=ids).logits
     finally:
         hf_model.set_attn_implementation(before)
-    logprobs = torch.log_softmax(logits[0].float(), -1)[:-1]
-    return logprobs.gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0].numpy()
+    logprobs = torch.log_softmax(logits.float(), -1)[:, :-1]
+    return logprobs.gather(2, ids[:, 1:, None])[..., 0].numpy()
+
+
+class _KvRounding:
+    """What the K/V-rounding attention does besides rounding, for
+    `fp8_flip_allowance`: record each cache-owning layer's K/V before
+    rounding (`captured`), attend over given rounded K/V instead of its own
+    (`given`: {layer: (K, V)}), and in row b of the batch round one element
+    the other way (`flips[b]`: source layer, 0 for K / 1 for V, index in
+    the row, value)."""
+    captured: dict | None = None
+    given: dict | None = None
+    flips: list | None = None
+
+
+def _kv_source(module) -> int:
+    """The layer whose K/V `module` attends over: its own, or for a
+    KV-shared layer the last earlier cache-owning layer of its type."""
+    config = module.config
+    if not module.is_kv_shared_layer:
+        return module.layer_idx
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+    return max(i for i in range(first_shared)
+               if config.layer_types[i] == module.layer_type)
+
+
+def _round_kv(x, kv_dtype: str):
+    import torch
+    dtype = getattr(torch, kv_dtype)
+    info = torch.finfo(dtype)
+    return x.clamp(info.min, info.max).to(dtype).to(x.dtype)
 
 
 def _kv_rounding_attention(kv_dtype: str, shared_layers_exact: bool) -> str:
     """Register (once) transformers' sdpa attention with K/V rounded to
     `kv_dtype`; the mask function must be registered under the same name."""
-    import torch
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     name = f"sdpa_kv_{kv_dtype}" + ("_shared_exact" if shared_layers_exact else "")
-    dtype, info = getattr(torch, kv_dtype), torch.finfo(getattr(torch, kv_dtype))
-
-    def rounded(x):
-        return x.clamp(info.min, info.max).to(dtype).to(x.dtype)
 
     def attention(module, query, key, value, mask, **kwargs):
+        source = _kv_source(module)
+        if _KvRounding.captured is not None and not module.is_kv_shared_layer:
+            _KvRounding.captured[source] = (key.clone(), value.clone())
         if not (shared_layers_exact and module.is_kv_shared_layer):
-            key, value = rounded(key), rounded(value)
+            kv = [_round_kv(key, kv_dtype), _round_kv(value, kv_dtype)]
+            if _KvRounding.given is not None:
+                kv = [x.to(key.dtype) for x in _KvRounding.given[source]]
+            for row, flip in enumerate(_KvRounding.flips or []):
+                if flip[0] == source:
+                    _, which, index, flipped = flip
+                    kv[which] = kv[which].clone()
+                    kv[which][(row, *index)] = flipped
+            key, value = kv
         return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
+
+
+# How far from the float64 value another fp32 implementation may compute a
+# K/V element, in units of transformers' own fp32 error on that layer.
+FP32_NOISE_FACTOR = 10
+FLIPS_PER_FORWARD = 64
+
+
+def fp8_flip_allowance(hf_fp32, token_ids, kv_dtype: str):
+    """How far an fp32 server with an fp8 cache may correctly be from
+    `hf_token_logprobs(hf_fp32, token_ids, kv_dtype)`, per position, and the
+    number of elements it comes from. Two correct fp32 implementations
+    compute a K/V element a few ulps apart; one that lies that close to the
+    midpoint between two fp8 values may be stored as either (one such
+    element moved a logprob by 3.8e-3 where the rest agree to 1e-5). The
+    elements within `FP32_NOISE_FACTOR` x transformers' own fp32 error
+    (against float64, per layer) of a midpoint are each rounded the other
+    way in turn; the allowance is the sum of what each flip moves. The
+    float64 run attends over the fp32 run's rounded K/V, so its layers see
+    the same inputs up to fp32 error, not up to an earlier flip."""
+    import copy
+    hf64 = copy.deepcopy(hf_fp32).double()
+    captured = {False: {}, True: {}}  # is float64: {layer: (K, V)}
+    _KvRounding.captured = captured[False]
+    try:
+        hf_token_logprobs(hf_fp32, token_ids, kv_dtype)
+        _KvRounding.captured = captured[True]
+        _KvRounding.given = {layer: [_round_kv(x, kv_dtype) for x in kv]
+                             for layer, kv in captured[False].items()}
+        hf_token_logprobs(hf64, token_ids, kv_dtype)
+    finally:
+        _KvRounding.captured = _KvRounding.given = None
+    base = hf_token_logprobs(hf_fp32, token_ids, kv_dtype)
+    flips = []
+    for layer, kv32 in captured[False].items():
+        for which in (0, 1):
+            x32, x64 = kv32[which][0], captured[True][layer][which][0]
+            window = FP32_NOISE_FACTOR * (x32.double() - x64).abs().max()
+            low, high = (_round_kv(x64 - window, kv_dtype),
+                         _round_kv(x64 + window, kv_dtype))
+            chosen = _round_kv(x32, kv_dtype)
+            for index in map(tuple, (low != high).nonzero().tolist()):
+                other = (high if chosen[index] == low[index] else low)[index]
+                flips.append((layer, which, index, other.float()))
+    allowance = np.zeros_like(base)
+    for start in range(0, len(flips), FLIPS_PER_FORWARD):
+        _KvRounding.flips = flips[start:start + FLIPS_PER_FORWARD]
+        try:
+            flipped = _batch_logprobs(hf_fp32, [token_ids] * len(
+                _KvRounding.flips), kv_dtype)
+        finally:
+            _KvRounding.flips = None
+        allowance += np.abs(flipped - base).sum(0)
+    return allowance, len(flips)
 
 
 def hf_greedy(hf, prompt_ids, n):

@@ -16,7 +16,7 @@ import pytest
 
 import numpy as np
 
-from harness import hf_greedy, hf_token_logprobs
+from harness import fp8_flip_allowance, hf_greedy, hf_token_logprobs
 from vllm_gemma_qat import quantization
 from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import agent
@@ -146,7 +146,10 @@ def test_greedy_tokens_equal_transformers_on_every_trained_turn(served):
 
 # fp32 with an fp8 cache: the server and transformers with K/V rounded the
 # same way compute the same thing in a different order; fp32 accumulation
-# over ~100 positions and 6 layers differs by ~1e-5 (measured <= 3.2e-5).
+# over ~100 positions and 6 layers differs by ~1e-5 (measured <= 3.2e-5),
+# except where a K/V element that lies within fp32 error of the midpoint
+# between two fp8 values is stored as the other one: what such elements
+# can move is derived per position (harness.fp8_flip_allowance).
 SAME_MATH = 1e-4
 # bf16: two implementations of the same computation, each rounding to bf16
 # at its own places, drift from fp32 by errors of the same size; the
@@ -168,7 +171,8 @@ def test_prompt_logprobs_within_derived_tolerance_of_fp32_exact_kv(served):
     kv = kv if kv.startswith("float8") else None
     same_precision = copy.deepcopy(hf).to(getattr(torch, dtype))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    served_lp, exact, same, shared_exact = [], [], [], []
+    served_lp, exact, same, shared_exact, allowance = [], [], [], [], []
+    flips = 0
     for prompt_ids, answer_ids in agent.examples(tokenizer):
         ids = prompt_ids + answer_ids
         r = server.post("/v1/completions", {
@@ -181,22 +185,31 @@ def test_prompt_logprobs_within_derived_tolerance_of_fp32_exact_kv(served):
         same.append(hf_token_logprobs(same_precision, ids, kv))
         if kv and dtype == "float32":
             shared_exact.append(hf_token_logprobs(hf, ids, kv, True))
+            allowed, n = fp8_flip_allowance(hf, ids, kv)
+            allowance.append(allowed)
+            flips += n
     served_lp, exact, same = (np.concatenate(x)
                               for x in (served_lp, exact, same))
+    bound = SAME_MATH + (np.concatenate(allowance) if allowance else 0)
     drift = np.abs(served_lp - exact)
     reference_drift = np.abs(same - exact)
     print(f"{config}: {drift.size} positions, max |served - fp32 exact KV| "
           f"{drift.max():.3g}, transformers in {dtype} / {kv or dtype} KV "
           f"{reference_drift.max():.3g}")
     if dtype == "float32":
-        gap = np.abs(served_lp - same).max()
-        print(f"{config}: max |served - transformers, same rounding| {gap:.3g}")
-        assert gap <= SAME_MATH
-        assert (drift <= reference_drift + SAME_MATH).all()
+        gap = np.abs(served_lp - same)
+        print(f"{config}: max |served - transformers, same rounding| "
+              f"{gap.max():.3g}; bound {SAME_MATH:g} + what {flips} K/V "
+              f"elements within fp32 error of an fp8 midpoint move, at most "
+              f"{np.max(bound):.3g}")
+        assert (gap <= bound).all(), gap.max()
+        assert (drift <= reference_drift + bound).all()
         if kv:  # the shared layers read their source's rounded cache
-            off = np.abs(served_lp - np.concatenate(shared_exact)).max()
-            print(f"{config}: ... if shared layers read exact K/V {off:.3g}")
-            assert off > 10 * SAME_MATH, off
+            bug = np.abs(np.concatenate(shared_exact) - same)
+            print(f"{config}: ... if shared layers read exact K/V: "
+                  f"{bug.max():.3g}, {(bug > bound).sum()} positions past "
+                  "the bound")
+            assert (bug > bound).any(), "the check cannot see that bug"
     else:
         assert drift.max() <= BF16_ALLOWANCE * reference_drift.max()
 
