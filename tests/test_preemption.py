@@ -6,6 +6,7 @@ aborted preempted / waiting request leaves nothing behind, and three times
 `--max-num-seqs` concurrent requests are each answered once, right."""
 import http.client
 import json
+import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -150,26 +151,47 @@ def test_answers_under_kv_pressure_equal_transformers(served):
     assert RESTORED_LINE in server.log.read_text()
 
 
-def _stream(server, model, prompt, progress, key, stop):
-    """A streaming completion; counts its tokens in progress[key]; closes
-    the connection (vLLM aborts the request) once `stop[key]` is set."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
-    conn.request("POST", "/v1/completions", json.dumps({
-        "model": str(model), "prompt": prompt, "max_tokens": N,
-        "temperature": 0, "ignore_eos": True, "stream": True}),
-        {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    try:
-        while not stop[key].is_set():
-            line = response.fp.readline()
-            if not line or line.startswith(b"data: [DONE]"):
-                progress[key] = (progress[key][0], "done")
-                return
-            if line.startswith(b"data: {"):
-                progress[key] = (progress[key][0] + 1, "streaming")
-        progress[key] = (progress[key][0], "aborted")
-    finally:
-        conn.close()
+class _Stream(threading.Thread):
+    """A streaming completion that counts its tokens; `close()` shuts its
+    connection from outside (vLLM then aborts the request), also while no
+    token arrives (a preempted or waiting request sends none)."""
+
+    def __init__(self, server, model, prompt, max_tokens):
+        super().__init__()
+        self.tokens, self.status, self.closed = 0, "connecting", False
+        self.conn = http.client.HTTPConnection("127.0.0.1", server.port,
+                                               timeout=300)
+        self.body = json.dumps({
+            "model": str(model), "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True})
+        self.start()
+
+    def run(self):
+        try:
+            self.conn.request("POST", "/v1/completions", self.body,
+                              {"Content-Type": "application/json"})
+            response = self.conn.getresponse()
+            self.status = "streaming"
+            while True:
+                line = response.fp.readline()
+                if not line or line.startswith(b"data: [DONE]"):
+                    break
+                if line.startswith(b"data: {"):
+                    self.tokens += 1
+        except OSError:
+            pass
+        self.status = "aborted" if self.closed else "done"
+
+    def close(self):
+        self.closed = True
+        self.conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _wait_for(condition, what, timeout=120):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 def _settled(server, timeout=60):
@@ -183,59 +205,67 @@ def _settled(server, timeout=60):
         time.sleep(0.2)
 
 
+# Sizes for the abort test on the 24-block (384-token) cache: A (100 + 150
+# tokens) and B (150 + up to 100) fit together at first and outgrow the
+# cache after ~67 steps each; vLLM (FCFS) then preempts the later one, B,
+# which cannot come back while A grows (it needs as many blocks as it
+# freed, A takes one of them); C, sent then, waits behind B.
+LONG = (("A reads the log. " * 10)[:100], 150)
+PREEMPTED = (("B writes the report. " * 10)[:150], 100)
+WAITING = (("C asks. " * 6)[:40], N)
+
+
 def test_abort_while_preempted_or_waiting_leaves_nothing_behind(served):
-    """Eight streams; as soon as one that has streamed tokens stops while
-    others go on (preempted: not running), it and every stream not started
-    yet (waiting) are closed by the client. KV blocks and request counts go
-    back to idle, and the aborted prompts' answers are unchanged."""
+    """A client disconnects while the engine holds its request preempted
+    (B) and another while its request waits (C), both states read from
+    the engine's own gauges: KV blocks and request counts go back to idle,
+    only A finishes, and B's and C's prompts answer right when sent again."""
     server, hf, model = served
     before = server.metrics()
-    progress = {i: (0, "streaming") for i in range(len(PROMPTS))}
-    stop = {i: threading.Event() for i in progress}
-    threads = [threading.Thread(target=_stream, args=(
-        server, model, p, progress, i, stop)) for i, p in enumerate(PROMPTS)]
-    for t in threads:
-        t.start()
-    stalled, waiting, last = None, [], {}
-    deadline = time.time() + 120
-    while stalled is None and time.time() < deadline:
-        now = dict(progress)
-        for i, (count, status) in now.items():
-            if last.get(i, (None,))[0] != count:
-                last[i] = (count, sum(c for c, _ in now.values()))
-        total = sum(c for c, _ in now.values())
-        for i, (count, status) in now.items():
-            # Started, not done, and 6 tokens streamed by the others since
-            # its last: it is out of the running batch (decodes are
-            # scheduled every step while they run).
-            if status == "streaming" and 0 < count < N and \
-                    total - last[i][1] >= 6:
-                stalled = i
-        time.sleep(0.01)
-    assert stalled is not None, f"no stream stalled: {progress}"
-    waiting = [i for i, (count, status) in progress.items()
-               if count == 0 and status == "streaming"]
-    for i in [stalled, *waiting]:
-        stop[i].set()
-    for t in threads:
-        t.join(timeout=300)
-    aborted = [i for i, (_, status) in progress.items() if status == "aborted"]
-    assert stalled in aborted and set(waiting) <= set(aborted), progress
+
+    def added(name):
+        return server.metrics().get(name, 0) - before.get(name, 0)
+
+    def engine(running, waiting):
+        m = server.metrics()
+        return (m["vllm:num_requests_running"],
+                m["vllm:num_requests_waiting"]) == (running, waiting)
+
+    a = _Stream(server, model, *LONG)
+    _wait_for(lambda: a.tokens >= 1, "A's first token")
+    b = _Stream(server, model, *PREEMPTED)
+    _wait_for(lambda: b.tokens >= 1, "B's first token")
+    # The engine preempted one of the two and holds it in its waiting queue
+    # while the other runs; A's stream goes on, so the held one is B.
+    _wait_for(lambda: added("vllm:num_preemptions_total") >= 1
+              and engine(running=1, waiting=1), "a preemption")
+    a_then = a.tokens
+    _wait_for(lambda: a.tokens >= a_then + 2, "A to go on")
+    c = _Stream(server, model, *WAITING)
+    _wait_for(lambda: engine(running=1, waiting=2), "C to queue behind B")
+    assert c.tokens == 0 and 0 < b.tokens < PREEMPTED[1]
+    b.close()
+    c.close()
+    # Both leave the engine's queue while A still runs.
+    _wait_for(lambda: engine(running=1, waiting=0), "the aborts")
+    assert a.status == "streaming"
+    for s in (a, b, c):
+        s.join(timeout=300)
+    assert (a.status, a.tokens) == ("done", LONG[1])
+    assert (b.status, c.status, c.tokens) == ("aborted", "aborted", 0)
 
     state, after = _settled(server)
     assert state == (0, 0, 0), state  # running, waiting, KV cache usage
-    finished = (after["vllm:request_success_total"]
-                - before["vllm:request_success_total"])
-    assert finished == len(PROMPTS) - len(aborted), (finished, progress)
-    # Preemptions counted beyond those of the finished requests: an aborted
-    # request had been preempted.
+    assert (after["vllm:request_success_total"]
+            - before["vllm:request_success_total"]) == 1
+    # Preemptions beyond those of the finished request: B's.
     preemptions = (after["vllm:num_preemptions_total"]
                    - before["vllm:num_preemptions_total"])
     of_finished = (after.get("vllm:request_num_preemptions_sum", 0)
                    - before.get("vllm:request_num_preemptions_sum", 0))
     assert preemptions > of_finished, (preemptions, of_finished)
 
-    results = answers(server, model, [PROMPTS[i] for i in aborted])
+    results = answers(server, model, [PREEMPTED[0], WAITING[0]])
     assert wrong_answers(hf, results) == []
     assert _settled(server)[0] == (0, 0, 0)
 
