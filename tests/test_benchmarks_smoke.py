@@ -37,8 +37,11 @@ def test_serve_bench_smoke(tmp_path):
     agents = results["agents"]
     assert agents["calls"] == 4
     # Each agent's first task is one the tiny agent model was trained to
-    # answer with a tool call; the parser must have assembled it.
-    assert agents["tool_calls"] >= 2 and agents["tool_call_valid_rate"] == 1
+    # answer with a tool call; the parser must have assembled it. What it
+    # says after the result of add (a turn it was not trained on) is the
+    # model's own: it may be a call with invalid arguments.
+    valid = round(agents["tool_calls"] * agents["tool_call_valid_rate"])
+    assert agents["tool_calls"] >= 2 and valid >= 2, agents
     assert 0 < agents["prefix_cache_hit_rate"] <= 1
     assert (tmp_path / "results.md").read_text().startswith("# Serving")
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
