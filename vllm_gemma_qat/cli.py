@@ -214,7 +214,7 @@ def _plan_inputs(target: str):
             f"{target}: plan takes a bf16 export (regular or QAT bf16); pass "
             "--weights int4 for the 4-bit figure")
     skipped = set(report.skipped)
-    tensors, other, vision, dtypes = {}, 0, 0, set()
+    tensors, other, other_numel, vision, dtypes = {}, 0, 0, 0, set()
     for name, info in ckpt.tensors.items():
         if name in skipped or ".audio_tower." in name or ".embed_audio." in name:
             continue
@@ -223,8 +223,10 @@ def _plan_inputs(target: str):
             tensors[name.removeprefix(report.prefix)] = (info.nbytes, info.numel)
         else:
             other += info.nbytes
+            other_numel += info.numel
             vision += info.nbytes if plan.is_vision_tensor(name) else 0
-    return (report.geometry, plan.Weights(tensors, other, vision),
+    return (report.geometry, plan.Weights(tensors, other, vision,
+                                          other_numel),
             ", ".join(sorted(dtypes)), "checkpoint headers", ckpt.config)
 
 
