@@ -126,6 +126,8 @@ def _abstract_model(int4_layout):
         specs = nnx.get_partition_spec(state)
 
         def placed(x, spec):
+            if isinstance(getattr(x, "sharding", None), NamedSharding):
+                return x  # placed already (the int4 layout)
             if not isinstance(spec, PartitionSpec):
                 spec = PartitionSpec()
             return jax.ShapeDtypeStruct(x.shape, x.dtype,

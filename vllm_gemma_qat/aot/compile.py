@@ -79,6 +79,7 @@ class Report:
     programs: list = field(default_factory=list)
     # per chip
     weight_bytes: int = 0  # every parameter's shard (what HBM holds)
+    lm_weight_bytes: int = 0  # the language model's part of it
     step_weight_bytes: int = 0  # memory_analysis: step args - KV - inputs
     # memory_analysis of a program taking every language-model parameter:
     # their bytes as laid out in HBM (TPU tiling pads small dimensions)
@@ -358,6 +359,7 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                   model.state)[0]
               if not any(t in jax.tree_util.keystr(path)
                          for t in ("vision", "audio"))]
+        report.lm_weight_bytes = sum(_nbytes_per_chip(x) for x in lm)
         holder = jax.jit(lambda *xs: None, keep_unused=True)
         with jax.set_mesh(mesh):
             report.lm_laid_out_bytes = holder.lower(*lm).compile() \
@@ -489,10 +491,16 @@ def _judge(report: Report, p) -> None:
     ok = [prog for prog in report.programs if prog.ok]
     report.max_temp_bytes = max((prog.temp_bytes for prog in ok), default=0)
     report.max_code_bytes = max((prog.code_bytes for prog in ok), default=0)
-    if report.weight_bytes != report.plan_weight_bytes:
+    if report.lm_weight_bytes != report.plan_lm_weight_bytes:
         report.disagreements.append(
-            f"weights per chip: the built model's parameters "
-            f"{report.weight_bytes} B, plan {report.plan_weight_bytes} B")
+            f"language-model weights per chip: the built model's parameters "
+            f"{report.lm_weight_bytes} B, plan {report.plan_lm_weight_bytes} B")
+    towers = report.weight_bytes - report.lm_weight_bytes
+    plan_towers = report.plan_weight_bytes - report.plan_lm_weight_bytes
+    if towers > plan_towers:  # plan counts them whole: an upper bound
+        report.disagreements.append(
+            f"towers per chip: the built model's {towers} B, more than "
+            f"plan's whole-tower bound {plan_towers} B")
     if ok and report.step_weight_bytes != report.lm_laid_out_bytes:
         report.disagreements.append(
             f"language-model weights per chip: the compiled step's "
@@ -517,5 +525,8 @@ def _judge(report: Report, p) -> None:
         "step weights per chip = the compiled step's argument bytes "
         "(memory_analysis) - those of its KV cache and inputs (a program "
         "taking only them); the towers are not its arguments (XLA drops "
-        "unused ones)",
+        "unused ones); it includes TPU tile padding of small dimensions, "
+        "which plan's byte counts (and the parameters' logical bytes) do not",
+        "plan counts a vision tower whole on every chip (an upper bound); "
+        "tpu-inference splits its attention and MLP under TP",
     ]
