@@ -188,10 +188,12 @@ def cmd_inspect(args) -> int:
     return 0 if report.loads_with_gemma_qat else 1
 
 
-def _plan_inputs(target: str):
+def _plan_inputs(target: str, int4_export_ok: bool = False):
     """(Geometry, plan.Weights as loaded, their dtypes, source) from a
     checkpoint (headers) or a bare config.json (language model from the
-    geometry, bf16 assumed)."""
+    geometry, bf16 assumed). `int4_export_ok`: a w4a16 export's language
+    model counted from its geometry in bf16 (for the int4 form), its towers
+    from the headers."""
     p = Path(target)
     if not p.is_file():
         try:
@@ -212,18 +214,23 @@ def _plan_inputs(target: str):
         return (geo, plan.Weights(tensors), "bf16 assumed",
                 "config (language model only)", config)
     ckpt, report = _open(target, remote_ok=True)
-    if report.export_kind == "qat-w4a16-ct":
+    if report.export_kind == "qat-w4a16-ct" and not int4_export_ok:
         raise CheckpointError(
             f"{target}: plan takes a bf16 export (regular or QAT bf16); pass "
             "--weights int4 for the 4-bit figure")
     skipped = set(report.skipped)
     tensors, other, other_numel, vision, dtypes = {}, 0, 0, 0, set()
+    if report.export_kind == "qat-w4a16-ct":
+        tensors = {n: (2 * checkpoint.numel(s), checkpoint.numel(s))
+                   for n, s in report.geometry.expected("").items()}
     for name, info in ckpt.tensors.items():
         if name in skipped or ".audio_tower." in name or ".embed_audio." in name:
             continue
         dtypes.add(info.dtype.lower())
         if geometry.is_language_model_tensor(name, report.prefix):
-            tensors[name.removeprefix(report.prefix)] = (info.nbytes, info.numel)
+            if report.export_kind != "qat-w4a16-ct":
+                tensors[name.removeprefix(report.prefix)] = (info.nbytes,
+                                                             info.numel)
         else:
             other += info.nbytes
             other_numel += info.numel

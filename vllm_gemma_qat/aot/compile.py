@@ -132,19 +132,39 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
         raise AotError(f"--kv-dtype {kv_dtype!r}: one of "
                        f"{', '.join(KV_DTYPES)}")
     log = log or (lambda msg: None)
-    _environment()
+    _environment(topo)
     started = time.perf_counter()
 
     from vllm_gemma_qat import cli, plan as planlib
-    geo, plan_weights, _, source, config = cli._plan_inputs(target)
+    geo, plan_weights, _, _, config = cli._plan_inputs(
+        target, int4_export_ok=weights == "int4")
 
     import jax
+
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()  # the plugin, as `vllm serve` loads it
+    table = substitutions(topo, _int4_layout)
+    # Deviceless executables cannot be loaded here: keep them out of JAX's
+    # persistent cache (a later read fails with a warning).
+    cache_was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return _compile_model(target, topo, tp, weights, kv_dtype, dtype,
+                              max_model_len, max_num_seqs,
+                              max_num_batched_tokens, utilization, logits,
+                              token_buckets, log, table, started, geo,
+                              plan_weights, config, planlib)
+    finally:  # (the knob, not a substitution: JAX's public config)
+        jax.config.update("jax_enable_compilation_cache", cache_was)
+
+
+def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
+                   max_num_seqs, max_num_batched_tokens, utilization, logits,
+                   token_buckets, log, table, started, geo, plan_weights,
+                   config, planlib) -> Report:
     from jax.experimental import topologies
 
-    import vllm_gemma_qat
     from vllm_gemma_qat import substitute
-    vllm_gemma_qat.register()  # the plugin, as `vllm serve` loads it
-    table = substitutions(topo, _int4_layout)
     try:
         desc = topologies.get_topology_desc(
             platform="tpu", topology_name=topo.libtpu_name,
@@ -156,12 +176,16 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
 
     # The plugin's header check, as `vllm serve` runs it (a local
     # checkpoint; a hub repo is checked from its headers by _plan_inputs).
-    from vllm_gemma_qat import preflight, quantization
-    preflight.check_local_checkpoint(
-        target, tp=tp, hf_overrides={
-            "quantization_config": quantization.w4a16_quantization_config()}
-        if weights == "int4" and not config.get("quantization_config")
-        else None)
+    from vllm_gemma_qat import cli, preflight, quantization
+    bare = Path(target).is_file() or (Path(target).is_dir()
+                                      and cli._config_only(Path(target)))
+    if not bare:
+        preflight.check_local_checkpoint(
+            target, tp=tp, hf_overrides={
+                "quantization_config":
+                quantization.w4a16_quantization_config()}
+            if weights == "int4" and not config.get("quantization_config")
+            else None)
     with tempfile.TemporaryDirectory(prefix="gemma-qat-aot-") as tmp:
         model_dir = _config_dir(Path(tmp), config, weights)
         with substitute.applied(table, "vllm-gemma-qat AOT mode"):
@@ -191,25 +215,33 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
     return report
 
 
-def _environment() -> None:
-    """The process must see no TPU (this is deviceless compilation) and
-    libtpu must not query cloud metadata."""
+def _environment(topo: Topology) -> None:
+    """JAX on the host CPU (this is deviceless compilation: the TPU is
+    libtpu's topology), and the TPU_* values that stop libtpu's and
+    tpu-inference's cloud-metadata lookups off Google Cloud (cpu/env.py's,
+    without its offline hub: a repo id's headers come from the hub)."""
+    from vllm_gemma_qat.cpu.env import CPU_ENV
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    from vllm_gemma_qat.cpu import env
-    env.set_defaults(os.environ)
-    if os.environ.get("JAX_PLATFORMS") != "cpu":
+    # No chip is used: another process holding libtpu's lockfile (a
+    # `vllm serve` on a TPU VM, a second compile) must not stop this one.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    for key in ("JAX_PLATFORMS", "TPU_NAME", "TPU_WORKER_ID"):
+        os.environ.setdefault(key, CPU_ENV[key])
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", topo.name)
+    if os.environ["JAX_PLATFORMS"] != "cpu":
         raise AotError("compile runs with JAX_PLATFORMS=cpu (it compiles for "
                        f"a TPU without one); JAX_PLATFORMS is "
-                       f"{os.environ.get('JAX_PLATFORMS')!r}")
+                       f"{os.environ['JAX_PLATFORMS']!r}")
 
 
 def _config_dir(tmp: Path, config: dict, weights: str) -> Path:
     from vllm_gemma_qat import quantization
     config = json.loads(json.dumps(config))
-    if weights == "int4":
+    if weights == "int4" and not config.get("quantization_config"):
+        # as `--hf-overrides "$(vllm-gemma-qat int4-overrides)"` would
         config["quantization_config"] = \
             quantization.w4a16_quantization_config()
-    elif config.get("quantization_config"):
+    elif weights != "int4" and config.get("quantization_config"):
         raise AotError("the checkpoint's config declares quantization_config "
                        "(a w4a16 export): pass --weights int4")
     (tmp / "config.json").write_text(json.dumps(config))
@@ -322,8 +354,14 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
     with set_current_vllm_config(vllm_config), \
             jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         log(f"building {target} for {topo.name} (TP={tp}, {weights})")
-        model = model_loader.get_model(vllm_config, jax.random.PRNGKey(0),
-                                       mesh)
+        try:
+            model = model_loader.get_model(vllm_config,
+                                           jax.random.PRNGKey(0), mesh)
+        except (AotError, substitute.MissingTarget):
+            raise
+        except Exception as e:
+            raise AotError(f"tpu-inference did not build {target} for these "
+                           f"flags: {type(e).__name__}: {e}") from e
 
         # The KV cache tpu-inference allocates: every page of the budget
         # (vLLM gives the KV cache all that is left), one array per layer
