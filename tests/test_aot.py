@@ -7,6 +7,7 @@ Four compiles cover every model x topology and topology x weights pair (all
 eight would double the time); one token bucket each (the runner's buckets
 for --max-num-batched-tokens 16) to keep the module near a minute."""
 import json
+import re
 
 import pytest
 
@@ -53,9 +54,12 @@ def test_every_startup_program_compiles(compiled):
     failed = [(p.label, p.error) for p in report.programs if not p.ok]
     assert not failed
     # The runner's buckets for these flags: one token bucket (16), one
-    # request bucket (8): the step and compute_logits.
+    # request bucket (8): the step, compute_logits, and sample with and
+    # without sampling parameters and logprobs.
     assert [p.label for p in report.programs] == [
-        "step(num_tokens=16, num_reqs=8)", "compute_logits(num_reqs=8)"]
+        "step(num_tokens=16, num_reqs=8)", "compute_logits(num_reqs=8)"] + [
+        f"sample(num_reqs=8, do_sampling={s}, logprobs={lp})"
+        for s in (1, 0) for lp in (1, 0)]
     step = report.programs[0]
     assert step.temp_bytes > 0 and step.code_bytes > 0 and step.flops > 0
     assert step.est_seconds and step.est_seconds > 0
@@ -91,7 +95,7 @@ def test_report_for_people_and_tools(compiled, capsys):
     assert data["programs"][0]["name"] == "step"
     cli._print_compile(report)
     out = capsys.readouterr().out
-    assert "step(num_tokens=16, num_reqs=8)      compiled" in out
+    assert re.search(r"step\(num_tokens=16, num_reqs=8\) +compiled", out)
     assert "verdict          fits" in out
 
 
@@ -99,7 +103,8 @@ def test_what_does_not_fit_says_so(checkpoints, capfd):
     # 0.01% of a v5e chip's 16 GiB is less than the weights: no KV cache.
     rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
                    "v5e-1", "--max-model-len", "256", "--max-num-batched-"
-                   "tokens", "16", "--utilization", "0.0001", "--no-logits"])
+                   "tokens", "16", "--utilization", "0.0001", "--no-logits",
+                   "--no-sampling"])
     out = capfd.readouterr().out
     assert rc == 1, out
     assert "verdict          does NOT fit" in out

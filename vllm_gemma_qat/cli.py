@@ -357,8 +357,9 @@ def cmd_compile(args) -> int:
     """Lazy: JAX, vLLM and tpu-inference are imported here only."""
     from vllm_gemma_qat.aot import AotError, compile as aot
     from vllm_gemma_qat.substitute import MissingTarget
-    log = None if args.json else (lambda m: print(m, file=sys.stderr,
-                                                  flush=True))
+    def log(message: str) -> None:  # progress, on stderr in both modes
+        print(message, file=sys.stderr, flush=True)
+
     # vLLM, tpu-inference and libtpu log to stdout: stdout carries the
     # table or the JSON alone (their lines go to stderr; vLLM's at WARNING).
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -372,6 +373,7 @@ def cmd_compile(args) -> int:
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             utilization=args.utilization, logits=not args.no_logits,
+            sampling=not args.no_sampling,
             token_buckets=args.token_buckets, log=log)
     except (AotError, MissingTarget) as e:
         if not args.json:
@@ -407,12 +409,12 @@ def _print_compile(r) -> None:
           f"--max-num-seqs {r.max_num_seqs} --max-num-batched-tokens "
           f"{r.max_num_batched_tokens}; page {r.block_size} tokens, "
           f"{r.num_blocks} pages")
-    print(f"{'program':<36} {'result':<9} {'compile s':>9} {'temp':>12} "
+    print(f"{'program':<48} {'result':<9} {'compile s':>9} {'temp':>12} "
           f"{'code':>10} {'est. ms':>9}")
     for p in r.programs:
         est = f"{p.est_seconds * 1e3:.3f}" if p.est_seconds is not None \
             else "-"
-        print(f"{p.label:<36} {'compiled' if p.ok else 'FAILED':<9} "
+        print(f"{p.label:<48} {'compiled' if p.ok else 'FAILED':<9} "
               f"{p.compile_s:>9.1f} {_mib(p.temp_bytes):>12} "
               f"{_mib(p.code_bytes):>10} {est:>9}")
         if not p.ok:
@@ -527,6 +529,8 @@ def main(argv=None) -> int:
                    "token buckets (comma-separated; default: all)")
     p.add_argument("--no-logits", action="store_true",
                    help="skip compute_logits")
+    p.add_argument("--no-sampling", action="store_true",
+                   help="skip sample")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compile)
     args = parser.parse_args(argv)

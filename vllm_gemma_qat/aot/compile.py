@@ -12,10 +12,13 @@ token and request buckets from the runner's own helpers, and the step jit
 that `get_flax_model` builds (with its compiler options). Each start-up
 program the runner compiles for text serving is lowered and compiled for
 the target: the step per (token bucket, request bucket), as
-`_precompile_backbone_text_only`, and `compute_logits` per request bucket.
-Not compiled here: sampling and the other small host-side helpers, and a
-multimodal model's image programs (vision encoder, embedding merge, the
-step with input embeddings).
+`_precompile_backbone_text_only`; `compute_logits` and `sample` (with and
+without sampling parameters and logprobs) per request bucket, as
+`_precompile_compute_logits` / `_precompile_sampling`. Not compiled here:
+the runner's other small helpers (placeholder substitution, array
+selection, logprob gathering, structured decoding), and a multimodal
+model's image programs (vision encoder, embedding merge, the step with
+input embeddings).
 """
 from __future__ import annotations
 
@@ -58,8 +61,9 @@ class Program:
 
     @property
     def label(self) -> str:
-        return self.name + "(" + ", ".join(f"{k}={v}" for k, v in
-                                           self.shape.items()) + ")"
+        return self.name + "(" + ", ".join(
+            f"{k}={int(v) if isinstance(v, bool) else v}"
+            for k, v in self.shape.items()) + ")"
 
 
 @dataclass
@@ -119,6 +123,7 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
                   max_num_seqs: int = 8,
                   max_num_batched_tokens: int | None = None,
                   utilization: float = 0.92, logits: bool = True,
+                  sampling: bool = True,
                   token_buckets: list[int] | None = None,
                   log=None) -> Report:
     """Build and compile; `token_buckets`: compile only these of the
@@ -152,7 +157,8 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
         return _compile_model(target, topo, tp, weights, kv_dtype, dtype,
                               max_model_len, max_num_seqs,
                               max_num_batched_tokens, utilization, logits,
-                              token_buckets, log, table, started, geo,
+                              sampling, token_buckets, log, table, started,
+                              geo,
                               plan_weights, config, planlib)
     finally:  # (the knob, not a substitution: JAX's public config)
         jax.config.update("jax_enable_compilation_cache", cache_was)
@@ -160,7 +166,8 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
 
 def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                    max_num_seqs, max_num_batched_tokens, utilization, logits,
-                   token_buckets, log, table, started, geo, plan_weights,
+                   sampling, token_buckets, log, table, started, geo,
+                   plan_weights,
                    config, planlib) -> Report:
     from jax.experimental import topologies
 
@@ -209,8 +216,8 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
             report = _build_and_compile(vllm_config, desc, topo, tp, p, p_lm,
                                         geo,
                                         target, weights, kv_dtype,
-                                        utilization, logits, token_buckets,
-                                        log)
+                                        utilization, logits, sampling,
+                                        token_buckets, log)
     report.build_s = time.perf_counter() - started
     return report
 
@@ -306,7 +313,7 @@ def _nbytes_per_chip(x) -> int:
 
 def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                        target,
-                       weights, kv_dtype, utilization, logits,
+                       weights, kv_dtype, utilization, logits, sampling,
                        token_buckets, log) -> Report:
     import jax
     import jax.numpy as jnp
@@ -491,8 +498,64 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                         prog.concat_bitcasts
                 report.programs.append(prog)
 
+        if sampling:
+            _compile_sampling(report, model_config, mesh, req_paddings,
+                              tp, log)
+
     _judge(report, p)
     return report
+
+
+def _compile_sampling(report, model_config, mesh, req_paddings, tp,
+                      log) -> None:
+    """`sample` per request bucket, with and without sampling parameters
+    and logprobs, as `_precompile_sampling` does."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+    from tpu_inference.layers.jax.sample.sampling import (
+        distributed_sampling_allowed, sample)
+    from tpu_inference.layers.jax.sample.sampling_metadata import \
+        TPUSupportedSamplingMetadata
+    from tpu_inference.utils import align_to
+    vocab = align_to(model_config.get_vocab_size(), tp)
+    whole = NamedSharding(mesh, P())
+    rows = NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA))
+    key = jax.eval_shape(
+        lambda: nnx.Rngs(jax.random.key(model_config.seed)).params())
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=whole)
+
+    def sds(shape, dtype, sharding):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    for num_reqs in req_paddings:
+        logits = sds((num_reqs, vocab), jnp.float32, NamedSharding(
+            mesh, P(ShardingAxisName.MLP_DATA, ShardingAxisName.MLP_TENSOR)))
+        for do_sampling in (True, False):
+            for logprobs in (True, False):
+                per_req = [sds((num_reqs, ), dt, rows) if do_sampling
+                           else None for dt in (jnp.float32, jnp.int32,
+                                                jnp.float32)]
+                metadata = TPUSupportedSamplingMetadata(
+                    temperature=per_req[0], top_k=per_req[1],
+                    top_p=per_req[2],
+                    _cache_collision_dummy=sds((1 if logprobs else 2, ),
+                                               jnp.int32, whole),
+                    do_sampling=do_sampling, logprobs=logprobs)
+                distributed = distributed_sampling_allowed(
+                    logprobs, model_config.logprobs_mode)
+                prog = Program("sample", {"num_reqs": num_reqs,
+                                          "do_sampling": do_sampling,
+                                          "logprobs": logprobs})
+                _compile(prog, lambda: sample.lower(
+                    key, mesh, logits, metadata,
+                    allow_distributed_sampling=distributed), mesh, log)
+                if prog.ok:
+                    prog.est_seconds = prog.optimal_seconds + \
+                        prog.concat_bitcasts
+                report.programs.append(prog)
 
 
 def _compile(prog: Program, lower, mesh, log) -> None:
