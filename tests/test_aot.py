@@ -5,7 +5,8 @@ v6e-4 (TP=4), bf16 and the w4a16 export, on this CPU-only machine.
 
 Four compiles cover every model x topology and topology x weights pair (all
 eight would double the time); one token bucket each (the runner's buckets
-for --max-num-batched-tokens 16) to keep the module near a minute."""
+for --max-num-batched-tokens 16), `sample` on the TP=4 slices only, to keep
+the module near a minute."""
 import json
 import re
 
@@ -43,9 +44,11 @@ def compiled(request, checkpoints):
     from vllm_gemma_qat.aot.compile import compile_model
     geometry, topo, tp, form = request.param
     path = checkpoints[geometry, form]
+    # sample (four programs) on the TP=4 slices only: its logits are split
+    # over the chips there; it does not depend on the model otherwise.
     report = compile_model(str(path), topo, tp=tp,
                            weights="bf16" if form == "bf16" else "int4",
-                           **FLAGS)
+                           sampling=tp > 1, **FLAGS)
     return report, path
 
 
@@ -59,7 +62,7 @@ def test_every_startup_program_compiles(compiled):
     assert [p.label for p in report.programs] == [
         "step(num_tokens=16, num_reqs=8)", "compute_logits(num_reqs=8)"] + [
         f"sample(num_reqs=8, do_sampling={s}, logprobs={lp})"
-        for s in (1, 0) for lp in (1, 0)]
+        for s in (1, 0) for lp in (1, 0) if report.tp > 1]
     step = report.programs[0]
     assert step.temp_bytes > 0 and step.code_bytes > 0 and step.flops > 0
     assert step.est_seconds and step.est_seconds > 0
