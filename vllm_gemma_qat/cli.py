@@ -357,6 +357,7 @@ def cmd_compile(args) -> int:
     """Lazy: JAX, vLLM and tpu-inference are imported here only."""
     from vllm_gemma_qat.aot import AotError, compile as aot
     from vllm_gemma_qat.substitute import MissingTarget
+
     def log(message: str) -> None:  # progress, on stderr in both modes
         print(message, file=sys.stderr, flush=True)
 
