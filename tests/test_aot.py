@@ -164,3 +164,27 @@ def _cli(argv: list[str]) -> str:
     return subprocess.run([sys.executable, "-m", "vllm_gemma_qat.cli",
                            *argv], capture_output=True, text=True,
                           check=True).stdout
+
+
+def test_a_renamed_target_stops_the_aot_mode(monkeypatch):
+    """Every change to JAX / tpu-inference internals is a declared
+    substitution: one whose target moved stops with MissingTarget, and the
+    table is active only while `compile` runs."""
+    from tpu_inference.runner import kv_cache
+
+    from vllm_gemma_qat import aot, substitute
+    table = aot.substitutions(aot.topology("v6e-1"), lambda m, mesh: None)
+    original = kv_cache._get_kv_cache_allocator
+    with substitute.applied(table, "test"):
+        assert substitute.installed(
+            "tpu_inference.runner.kv_cache:_get_kv_cache_allocator")
+    assert kv_cache._get_kv_cache_allocator is original
+    # What apply installs before it meets the missing target is put back
+    # by monkeypatch when the test ends.
+    for entry in table:
+        owner, name = entry.resolve()
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    monkeypatch.delattr(kv_cache, "_get_kv_cache_allocator")
+    with pytest.raises(substitute.MissingTarget,
+                       match="_get_kv_cache_allocator does not exist"):
+        substitute.apply(table, "test")
