@@ -1,14 +1,17 @@
 """`vllm-gemma-qat inspect` and `vllm-gemma-qat plan`: will it load, and will
 my agents fit. Reads config.json and safetensors headers only; imports
 neither vLLM nor JAX, so it answers in well under a second on any machine.
+`vllm-gemma-qat compile` (vllm_gemma_qat.aot, imported only by it) compiles
+for a TPU topology through libtpu, without a TPU.
 
-Exit codes: 0 loads with gemma_qat (inspect) / fits (plan); 1 will not load /
-does not fit; 2 unreadable input.
+Exit codes: 0 loads with gemma_qat (inspect) / fits (plan, compile); 1 will
+not load / does not fit / a program did not compile; 2 unreadable input.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections import Counter
@@ -185,10 +188,12 @@ def cmd_inspect(args) -> int:
     return 0 if report.loads_with_gemma_qat else 1
 
 
-def _plan_inputs(target: str):
+def _plan_inputs(target: str, int4_export_ok: bool = False):
     """(Geometry, plan.Weights as loaded, their dtypes, source) from a
     checkpoint (headers) or a bare config.json (language model from the
-    geometry, bf16 assumed)."""
+    geometry, bf16 assumed). `int4_export_ok`: a w4a16 export's language
+    model counted from its geometry in bf16 (for the int4 form), its towers
+    from the headers."""
     p = Path(target)
     if not p.is_file():
         try:
@@ -209,22 +214,29 @@ def _plan_inputs(target: str):
         return (geo, plan.Weights(tensors), "bf16 assumed",
                 "config (language model only)", config)
     ckpt, report = _open(target, remote_ok=True)
-    if report.export_kind == "qat-w4a16-ct":
+    if report.export_kind == "qat-w4a16-ct" and not int4_export_ok:
         raise CheckpointError(
             f"{target}: plan takes a bf16 export (regular or QAT bf16); pass "
             "--weights int4 for the 4-bit figure")
     skipped = set(report.skipped)
-    tensors, other, vision, dtypes = {}, 0, 0, set()
+    tensors, other, other_numel, vision, dtypes = {}, 0, 0, 0, set()
+    if report.export_kind == "qat-w4a16-ct":
+        tensors = {n: (2 * checkpoint.numel(s), checkpoint.numel(s))
+                   for n, s in report.geometry.expected("").items()}
     for name, info in ckpt.tensors.items():
         if name in skipped or ".audio_tower." in name or ".embed_audio." in name:
             continue
         dtypes.add(info.dtype.lower())
         if geometry.is_language_model_tensor(name, report.prefix):
-            tensors[name.removeprefix(report.prefix)] = (info.nbytes, info.numel)
+            if report.export_kind != "qat-w4a16-ct":
+                tensors[name.removeprefix(report.prefix)] = (info.nbytes,
+                                                             info.numel)
         else:
             other += info.nbytes
+            other_numel += info.numel
             vision += info.nbytes if plan.is_vision_tensor(name) else 0
-    return (report.geometry, plan.Weights(tensors, other, vision),
+    return (report.geometry, plan.Weights(tensors, other, vision,
+                                          other_numel),
             ", ".join(sorted(dtypes)), "checkpoint headers", ckpt.config)
 
 
@@ -341,6 +353,96 @@ def cmd_int4_overrides(args) -> int:
     return 0
 
 
+def cmd_compile(args) -> int:
+    """Lazy: JAX, vLLM and tpu-inference are imported here only."""
+    from vllm_gemma_qat.aot import AotError, compile as aot
+    from vllm_gemma_qat.substitute import MissingTarget
+
+    def log(message: str) -> None:  # progress, on stderr in both modes
+        print(message, file=sys.stderr, flush=True)
+
+    # vLLM, tpu-inference and libtpu log to stdout: stdout carries the
+    # table or the JSON alone (their lines go to stderr; vLLM's at WARNING).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        r = aot.compile_model(
+            args.target, args.topology, tp=args.tp, weights=args.weights,
+            kv_dtype=args.kv_dtype, dtype=args.dtype,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            utilization=args.utilization, logits=not args.no_logits,
+            sampling=not args.no_sampling,
+            token_buckets=args.token_buckets, log=log)
+    except (AotError, MissingTarget) as e:
+        if not args.json:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        r = None
+        error = str(e)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    if r is None:
+        print(json.dumps({"error": error}))
+        return 2
+    if args.json:
+        print(json.dumps(r.as_dict(), indent=1))
+    else:
+        _print_compile(r)
+    return 0 if r.fits else 1
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _size(n: int) -> str:
+    return _gb(n) if abs(n) >= 1e9 else f"{n / 1e6:.2f} MB"
+
+
+def _print_compile(r) -> None:
+    print(f"{r.model} on {r.topology} (TP={r.tp}), {r.weights} weights, "
+          f"{r.kv_dtype} KV, --max-model-len {r.max_model_len} "
+          f"--max-num-seqs {r.max_num_seqs} --max-num-batched-tokens "
+          f"{r.max_num_batched_tokens}; page {r.block_size} tokens, "
+          f"{r.num_blocks} pages")
+    print(f"{'program':<48} {'result':<9} {'compile s':>9} {'temp':>12} "
+          f"{'code':>10} {'est. ms':>9}")
+    for p in r.programs:
+        est = f"{p.est_seconds * 1e3:.3f}" if p.est_seconds is not None \
+            else "-"
+        print(f"{p.label:<48} {'compiled' if p.ok else 'FAILED':<9} "
+              f"{p.compile_s:>9.1f} {_mib(p.temp_bytes):>12} "
+              f"{_mib(p.code_bytes):>10} {est:>9}")
+        if not p.ok:
+            print(f"  the TPU compiler on {p.label}: "
+                  + p.error.splitlines()[0][:400])
+    print(f"per chip ({r.hbm_bytes / 2**30:g} GiB HBM):")
+    print(f"  weights          {_size(r.weight_bytes)}, language model "
+          f"{_size(r.lm_weight_bytes)} (plan --tp {r.tp}: "
+          f"{_size(r.plan_weight_bytes)}, language model "
+          f"{_size(r.plan_lm_weight_bytes)}); the step's arguments as laid "
+          f"out in HBM (memory_analysis): {_size(r.step_weight_bytes)}")
+    print(f"  KV cache         {_size(r.kv_bytes)} (plan: "
+          f"{_size(r.plan_kv_bytes)}, {r.plan_kv_cache_tokens} tokens)")
+    print(f"  largest temp     {_size(r.max_temp_bytes)}")
+    print(f"  generated code   {_size(r.max_code_bytes)}")
+    print(f"  total            {_size(r.total_bytes)} of "
+          f"{_size(r.hbm_bytes)}")
+    for d in r.disagreements:
+        print(f"  DISAGREES with plan: {d}")
+    verdict = "fits" if r.fits else "does NOT fit" if r.all_compiled \
+        else "does NOT compile"
+    print(f"verdict          {verdict}" + "".join(
+        f"\n  {w}" for w in r.why_not))
+    for c in r.caveats:
+        print(f"note: {c}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="vllm-gemma-qat",
@@ -396,6 +498,42 @@ def main(argv=None) -> int:
                    help="read this checkpoint's linears and quantize only "
                    "those on the q4_0 grid (off-grid ones named on stderr)")
     p.set_defaults(func=cmd_int4_overrides)
+    p = sub.add_parser(
+        "compile", help="compile the start-up programs of `vllm serve "
+        "MODEL --load-format gemma_qat` for a TPU topology, without a TPU",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="exit codes: 0 every program compiled and it fits, 1 a "
+        "program failed or it does not fit, 2 bad input")
+    p.add_argument("target", help="checkpoint directory, repo id, or "
+                   "config.json (no weights are read)")
+    p.add_argument("--topology", required=True,
+                   help="v6e-1, v6e-4, v6e-8, v5e-1, v5e-4, v5e-8")
+    p.add_argument("--tp", type=_positive(int), default=None,
+                   help="vLLM --tensor-parallel-size (default: every chip "
+                   "of the topology)")
+    p.add_argument("--weights", choices=["bf16", "int4"], default="bf16",
+                   help="int4: the w4a16 scheme (int4-overrides / a w4a16 "
+                   "export)")
+    p.add_argument("--kv-dtype", choices=sorted(plan.KV_DTYPE_BYTES),
+                   default="bf16")
+    p.add_argument("--dtype", choices=sorted(SERVED_DTYPE_BYTES),
+                   default="auto", help="vLLM --dtype")
+    p.add_argument("--max-model-len", type=_positive(int), default=8192)
+    p.add_argument("--max-num-seqs", type=_positive(int), default=8)
+    p.add_argument("--max-num-batched-tokens", type=_positive(int),
+                   default=None, help="vLLM's default when not given")
+    p.add_argument("--utilization", type=_fraction, default=0.92,
+                   help="vLLM --gpu-memory-utilization")
+    p.add_argument("--token-buckets", type=lambda t: [int(x) for x in
+                                                      t.split(",")],
+                   default=None, help="compile only these of the runner's "
+                   "token buckets (comma-separated; default: all)")
+    p.add_argument("--no-logits", action="store_true",
+                   help="skip compute_logits")
+    p.add_argument("--no-sampling", action="store_true",
+                   help="skip sample")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_compile)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

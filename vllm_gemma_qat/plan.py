@@ -76,6 +76,7 @@ class Weights:
     tensors: dict[str, tuple[int, int]]
     other_bytes: int = 0
     vision_bytes: int = 0  # the part of other_bytes that is the vision tower
+    other_numel: int = 0  # elements of other_bytes (0: unknown)
 
     def per_chip(self, geo: Geometry, form: str, tp: int,
                  dtype_bytes: int | None = None) -> tuple[int, int]:
@@ -93,7 +94,9 @@ class Weights:
                 split += nbytes
             else:
                 whole += nbytes
-        whole += self.other_bytes
+        # The towers are served in --dtype too (fixes/weight_dtype.py).
+        whole += self.other_numel * dtype_bytes \
+            if dtype_bytes and self.other_numel else self.other_bytes
         return split + whole, -(-split // tp) + whole
 
 

@@ -1,0 +1,190 @@
+"""`vllm-gemma-qat compile`: tiny E2B-like (1 KV head, multimodal) and
+E4B-like (2 KV heads) Gemma 4 checkpoints, built by tpu-inference as `vllm
+serve --load-format gemma_qat` would and compiled by libtpu for v6e-1 and
+v6e-4 (TP=4), bf16 and the w4a16 export, on this CPU-only machine.
+
+Four compiles cover every model x topology and topology x weights pair (all
+eight would double the time); one token bucket each (the runner's buckets
+for --max-num-batched-tokens 16), `sample` on the TP=4 slices only, to keep
+the module near a minute."""
+import json
+import re
+
+import pytest
+
+from vllm_gemma_qat import cli
+from vllm_gemma_qat.testing import tiny
+
+pytestmark = pytest.mark.xdist_group("aot")
+
+CASES = [("e2b", "v6e-1", 1, "bf16"), ("e2b", "v6e-4", 4, "w4a16"),
+         ("e4b", "v6e-1", 1, "w4a16"), ("e4b", "v6e-4", 4, "bf16")]
+FLAGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("aot")
+    out = {}
+    for geometry, _, _, form in CASES:
+        path = root / f"{geometry}-{form}"
+        if path.exists():
+            continue
+        if form == "bf16":
+            tiny.save_servable(path, geometry)
+        else:
+            tiny.save_servable_int4(path, form, geometry)
+        out[geometry, form] = path
+    return out
+
+
+@pytest.fixture(scope="module", params=CASES,
+                ids=lambda c: "-".join(map(str, c)))
+def compiled(request, checkpoints):
+    from vllm_gemma_qat.aot.compile import compile_model
+    geometry, topo, tp, form = request.param
+    path = checkpoints[geometry, form]
+    # sample (four programs) on the TP=4 slices only: its logits are split
+    # over the chips there; it does not depend on the model otherwise.
+    report = compile_model(str(path), topo, tp=tp,
+                           weights="bf16" if form == "bf16" else "int4",
+                           sampling=tp > 1, **FLAGS)
+    return report, path
+
+
+def test_every_startup_program_compiles(compiled):
+    report, _ = compiled
+    failed = [(p.label, p.error) for p in report.programs if not p.ok]
+    assert not failed
+    # The runner's buckets for these flags: one token bucket (16), one
+    # request bucket (8): the step, compute_logits, and sample with and
+    # without sampling parameters and logprobs.
+    assert [p.label for p in report.programs] == [
+        "step(num_tokens=16, num_reqs=8)", "compute_logits(num_reqs=8)"] + [
+        f"sample(num_reqs=8, do_sampling={s}, logprobs={lp})"
+        for s in (1, 0) for lp in (1, 0) if report.tp > 1]
+    step = report.programs[0]
+    assert step.temp_bytes > 0 and step.code_bytes > 0 and step.flops > 0
+    assert step.est_seconds and step.est_seconds > 0
+    assert step.kv_read_bytes > 0  # added by arithmetic (RPA declares none)
+    assert report.fits and not report.why_not
+
+
+def test_weights_and_kv_per_chip_equal_plan(compiled):
+    report, path = compiled
+    assert not report.disagreements
+    # The parameters tpu-inference builds hold, per chip, what plan --tp
+    # predicts for the language model (exactly) ...
+    assert report.lm_weight_bytes == report.plan_lm_weight_bytes > 0
+    # ... and the compiled step takes exactly those parameters, as laid out
+    # in HBM (memory_analysis; TPU tiling pads the tiny model's dimensions).
+    assert report.step_weight_bytes == report.lm_laid_out_bytes
+    assert report.lm_laid_out_bytes >= report.lm_weight_bytes
+    assert report.kv_bytes == report.plan_kv_bytes > 0
+    if report.weights == "bf16":
+        # The same figure through the CLI (weights served in bf16).
+        out = _cli(["plan", str(path), "--tp", str(report.tp), "--context",
+                    "256", "--dtype", "bfloat16", "--json"])
+        assert json.loads(out)["weight_bytes_per_chip"] == \
+            report.plan_weight_bytes
+        if report.tp == 1:  # nothing split: the towers too
+            assert report.weight_bytes == report.plan_weight_bytes
+
+
+def test_report_for_people_and_tools(compiled, capsys):
+    report, _ = compiled
+    data = json.loads(json.dumps(report.as_dict()))
+    assert data["all_compiled"] and data["fits"]
+    assert data["programs"][0]["name"] == "step"
+    cli._print_compile(report)
+    out = capsys.readouterr().out
+    assert re.search(r"step\(num_tokens=16, num_reqs=8\) +compiled", out)
+    assert "verdict          fits" in out
+
+
+def test_what_does_not_fit_says_so(checkpoints, capfd):
+    # 0.01% of a v5e chip's 16 GiB is less than the weights: no KV cache.
+    rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
+                   "v5e-1", "--max-model-len", "256", "--max-num-batched-"
+                   "tokens", "16", "--utilization", "0.0001", "--no-logits",
+                   "--no-sampling"])
+    out = capfd.readouterr().out
+    assert rc == 1, out
+    assert "verdict          does NOT fit" in out
+    assert "fewer than one request's --max-model-len 256" in out
+    assert "compiled" in out  # compiled anyway, with one request's pages
+
+
+def test_unknown_topology_is_one_clear_error(checkpoints, capfd):
+    rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
+                   "v6e-3"])
+    err = capfd.readouterr().err
+    assert rc == 2
+    assert err.strip().splitlines()[-1] == (
+        "error: unknown topology 'v6e-3'; known (single-host slices): "
+        "v5e-1, v5e-4, v5e-8, v6e-1, v6e-4, v6e-8")
+    rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
+                   "v6e-3", "--json"])
+    assert rc == 2
+    assert "unknown topology 'v6e-3'" in json.loads(
+        capfd.readouterr().out)["error"]
+
+
+def test_imports_run_one_way():
+    """cli.py imports the AOT mode only for `compile` (inspect / plan import
+    no JAX), and no plugin module imports it."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import vllm_gemma_qat
+    subprocess.run([sys.executable, "-c", "import sys, vllm_gemma_qat.cli; "
+                    "assert not [m for m in sys.modules if m.split('.')[0] "
+                    "in ('jax', 'vllm', 'tpu_inference') or "
+                    "m.startswith('vllm_gemma_qat.aot')], sorted(sys.modules)"],
+                   check=True)
+    package = Path(vllm_gemma_qat.__file__).parent
+    offenders = []
+    for path in package.rglob("*.py"):
+        if path.parent.name in ("aot", "testing") or path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] \
+                if isinstance(node, ast.Import) else [node.module or ""] \
+                if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.name}: {n}" for n in names
+                          if n.startswith("vllm_gemma_qat.aot")]
+    assert offenders == []
+
+
+def _cli(argv: list[str]) -> str:
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "vllm_gemma_qat.cli",
+                           *argv], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_a_renamed_target_stops_the_aot_mode(monkeypatch):
+    """Every change to JAX / tpu-inference internals is a declared
+    substitution: one whose target moved stops with MissingTarget, and the
+    table is active only while `compile` runs."""
+    from tpu_inference.runner import kv_cache
+
+    from vllm_gemma_qat import aot, substitute
+    table = aot.substitutions(aot.topology("v6e-1"), lambda m, mesh: None)
+    original = kv_cache._get_kv_cache_allocator
+    with substitute.applied(table, "test"):
+        assert substitute.installed(
+            "tpu_inference.runner.kv_cache:_get_kv_cache_allocator")
+    assert kv_cache._get_kv_cache_allocator is original
+    # What apply installs before it meets the missing target is put back
+    # by monkeypatch when the test ends.
+    for entry in table:
+        owner, name = entry.resolve()
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    monkeypatch.delattr(kv_cache, "_get_kv_cache_allocator")
+    with pytest.raises(substitute.MissingTarget,
+                       match="_get_kv_cache_allocator does not exist"):
+        substitute.apply(table, "test")

@@ -1,0 +1,151 @@
+"""AOT mode: compile for a TPU topology on a machine without a TPU
+("deviceless AOT", as MaxText's train_compile.py does), through libtpu.
+
+`vllm-gemma-qat compile MODEL --topology v6e-4 --tp 4` builds tpu-inference's
+own model for the flags `vllm serve MODEL --load-format gemma_qat` would get
+(config only: no weights are read), abstractly, and compiles the programs
+tpu-inference's runner compiles at start-up (`compile.py`). It needs these
+changes to JAX / tpu-inference internals, declared in one table, applied
+only for the duration of a compile (`substitute.applied`); a target missing
+from what is installed stops it with `substitute.MissingTarget`:
+
+- `preflight.check_local_checkpoint` (the plugin's own header check where
+  vLLM builds its config): vLLM's config comes from a config-only directory;
+  compile runs that check on the real checkpoint first.
+- `model_loader._get_nnx_model`: the model as `nnx.eval_shape` of its class
+  under the mesh (what the original does before loading), each parameter an
+  abstract array with the sharding its partition spec names (what
+  `create_sharded_model` constrains it to); int4 (wNa16) linears in the
+  layout `process_weights_after_loading` leaves. No weights are allocated.
+- `kv_cache._get_kv_cache_allocator`: `create_kv_caches` returns abstract
+  arrays (shape, dtype, sharding as it would allocate them).
+- RPA v3's `get_tpu_version` (imported by name by `kernel.py` and
+  `tuned_block_sizes.py`): reads `jax.devices()[0]`, the host's CPU here;
+  the target TPU's version.
+
+Everything else is tpu-inference's and the plugin's own code, unchanged
+(the plugin's fixes are installed by `vllm_gemma_qat.register`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# vLLM / JAX / tpu-inference are imported lazily: cli.py imports this
+# package only for `compile`.
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str  # as Cloud TPU names the slice: v6e-4
+    libtpu_name: str  # libtpu's topology name: v6e:2x2
+    bounds: tuple  # chips per host (x, y, z)
+    chips: int
+    hbm_gib: float  # per chip
+    tpu_version: int  # RPA v3's notion (v5e: 5, v6e: 6)
+
+
+# Single-host slices only: multi-host (v6e-16 and up) is a different
+# deployment (Ray) that this mode does not model.
+TOPOLOGIES = {t.name: t for t in (
+    Topology("v5e-1", "v5e:1x1", (1, 1, 1), 1, 16.0, 5),
+    Topology("v5e-4", "v5e:2x2", (2, 2, 1), 4, 16.0, 5),
+    Topology("v5e-8", "v5e:2x4", (2, 4, 1), 8, 16.0, 5),
+    Topology("v6e-1", "v6e:1x1", (1, 1, 1), 1, 32.0, 6),
+    Topology("v6e-4", "v6e:2x2", (2, 2, 1), 4, 32.0, 6),
+    Topology("v6e-8", "v6e:2x4", (2, 4, 1), 8, 32.0, 6),
+)}
+
+
+class AotError(RuntimeError):
+    """A request this mode cannot answer (named, with what it can)."""
+
+
+def topology(name: str) -> Topology:
+    try:
+        return TOPOLOGIES[name]
+    except KeyError:
+        raise AotError(
+            f"unknown topology {name!r}; known (single-host slices): "
+            f"{', '.join(TOPOLOGIES)}") from None
+
+
+def substitutions(topo: Topology, int4_layout) -> list:
+    """The AOT mode's changes to JAX / tpu-inference internals, in order.
+    `int4_layout(model, mesh)`: replaces wNa16 checkpoint parameters by the
+    processed layout (compile.py)."""
+    from vllm_gemma_qat.substitute import Substitution
+    version = topo.tpu_version
+
+    def tpu_version() -> int:
+        return version
+
+    rpa = "tpu_inference.kernels.ragged_paged_attention.v3"
+    return [
+        Substitution("vllm_gemma_qat.preflight:check_local_checkpoint",
+                     _checked_already,
+                     "vLLM's config is built from a config-only directory "
+                     "(no shards to check); compile runs the same header "
+                     "check on the real checkpoint first"),
+        Substitution("tpu_inference.models.common.model_loader:_get_nnx_model",
+                     _abstract_model(int4_layout),
+                     "no weights: the model as nnx.eval_shape builds it "
+                     "under the mesh, parameters abstract with their "
+                     "partition specs' shardings (int4 linears in the "
+                     "processed wNa16 layout)"),
+        Substitution("tpu_inference.runner.kv_cache:_get_kv_cache_allocator",
+                     _abstract_allocator,
+                     "create_kv_caches returns abstract arrays (its shapes, "
+                     "dtype and sharding), allocating nothing"),
+        Substitution(f"{rpa}.kernel:get_tpu_version", tpu_version,
+                     f"RPA v3 reads jax.devices()[0] (the host CPU here): "
+                     f"the target's TPU version ({version})"),
+        Substitution(f"{rpa}.tuned_block_sizes:get_tpu_version", tpu_version,
+                     "the same, imported by name for RPA's block sizes"),
+    ]
+
+
+def _checked_already(*args, **kwargs) -> None:
+    return None
+
+
+def _abstract_model(int4_layout):
+
+    def get_nnx_model(model_class, vllm_config, rng, mesh, pooler=None,
+                      is_draft_model=False):
+        import jax
+        from flax import nnx
+        from jax.sharding import NamedSharding, PartitionSpec
+        if is_draft_model or pooler is not None:
+            raise AotError("AOT mode builds the target model only (no "
+                           "drafter, no pooling)")
+        with jax.set_mesh(mesh):
+            model = nnx.eval_shape(lambda: model_class(vllm_config, rng, mesh),
+                                   graph_updates=False)
+        int4_layout(model, mesh)
+        state = nnx.state(model)
+        specs = nnx.get_partition_spec(state)
+
+        def placed(x, spec):
+            if isinstance(getattr(x, "sharding", None), NamedSharding):
+                return x  # placed already (the int4 layout)
+            if not isinstance(spec, PartitionSpec):
+                spec = PartitionSpec()
+            return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                        sharding=NamedSharding(mesh, spec))
+
+        nnx.update(model, jax.tree.map(
+            placed, state, specs,
+            is_leaf=lambda x: isinstance(x, PartitionSpec)))
+        return model
+
+    return get_nnx_model
+
+
+def _abstract_allocator(cache_shape, cache_dtype, sharding):
+    import jax
+
+    def allocate():
+        return jax.ShapeDtypeStruct(cache_shape, cache_dtype,
+                                    sharding=sharding)
+
+    return allocate
