@@ -518,7 +518,9 @@ def main(argv=None) -> int:
                    default="bf16")
     p.add_argument("--dtype", choices=sorted(SERVED_DTYPE_BYTES),
                    default="auto", help="vLLM --dtype")
-    p.add_argument("--max-model-len", type=_positive(int), default=8192)
+    p.add_argument("--max-model-len", type=_positive(int), default=None,
+                   help="vLLM --max-model-len (default, as vLLM's: the "
+                   "model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=_positive(int), default=8)
     p.add_argument("--max-num-batched-tokens", type=_positive(int),
                    default=None, help="vLLM's default when not given")

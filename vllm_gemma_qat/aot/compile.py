@@ -119,7 +119,7 @@ class Report:
 
 def compile_model(target: str, topology_name: str, *, tp: int | None = None,
                   weights: str = "bf16", kv_dtype: str = "bf16",
-                  dtype: str = "auto", max_model_len: int = 8192,
+                  dtype: str = "auto", max_model_len: int | None = None,
                   max_num_seqs: int = 8,
                   max_num_batched_tokens: int | None = None,
                   utilization: float = 0.92, logits: bool = True,
@@ -196,9 +196,15 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
     with tempfile.TemporaryDirectory(prefix="gemma-qat-aot-") as tmp:
         model_dir = _config_dir(Path(tmp), config, weights)
         with substitute.applied(table, "vllm-gemma-qat AOT mode"):
-            vllm_config = _vllm_config(model_dir, tp, weights, kv_dtype,
-                                       dtype, max_model_len, max_num_seqs,
-                                       max_num_batched_tokens, utilization)
+            try:
+                vllm_config = _vllm_config(
+                    model_dir, tp, weights, kv_dtype, dtype, max_model_len,
+                    max_num_seqs, max_num_batched_tokens, utilization)
+            except ValueError as e:  # pydantic's ValidationError too
+                raise AotError(f"vLLM refuses these flags for {target}: "
+                               f"{_first_error(e)}") from None
+            # None: vLLM's default, the model's max_position_embeddings.
+            max_model_len = vllm_config.model_config.max_model_len
             # `plan --tp` for the same flags, weights in the dtype vLLM
             # resolved (--dtype auto: bf16 for a float32 config on TPU).
             served = vllm_config.model_config.dtype
@@ -253,6 +259,14 @@ def _config_dir(tmp: Path, config: dict, weights: str) -> Path:
                        "(a w4a16 export): pass --weights int4")
     (tmp / "config.json").write_text(json.dumps(config))
     return tmp
+
+
+def _first_error(e: Exception) -> str:
+    """The message of vLLM's config error, without pydantic's framing."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        return "; ".join(str(x.get("msg", x)) for x in errors())
+    return str(e)
 
 
 def _vllm_config(model_dir, tp, weights, kv_dtype, dtype, max_model_len,
