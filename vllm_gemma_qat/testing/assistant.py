@@ -102,3 +102,245 @@ def save(model, path: str | Path, dtype=None) -> Path:
 def target_text_config(target_dir: str | Path) -> dict:
     config = json.loads(Path(target_dir, "config.json").read_text())
     return config.get("text_config") or config
+
+
+# ---------------------------------------------------------------------------
+# The target's side: what the drafter reads.
+
+def target_states(target, ids: list[int]):
+    """The target over `ids` (no cache): final normed hidden states [T, H],
+    the K/V its KV-shared layers read per attention type ({type: (K, V)},
+    [1, KV heads, T, head dim], post-norm and RoPE), and greedy next tokens
+    [T]."""
+    import torch
+    with torch.no_grad():
+        out = target.model(input_ids=torch.tensor([ids]),
+                           return_shared_kv_states=True)
+        logits = target.lm_head(out.last_hidden_state)
+    kv = {k: (v[0], v[1]) for k, v in out.shared_kv_states.items()}
+    return out.last_hidden_state[0], kv, logits[0].argmax(-1).tolist(), logits[0]
+
+
+def _left_padded(kv: dict, ends: list[int], width: int) -> tuple[dict, object]:
+    """K/V of each state's positions 0..end (inclusive) moved to the END of
+    a `width`-long axis (transformers' assistant masks assume left padding:
+    it takes a sliding window's entries from the end), batched, and the
+    [B, width] attention mask."""
+    import torch
+    batch = {}
+    for kind, (k, v) in kv.items():
+        ks, vs = [], []
+        for end in ends:
+            n = end + 1
+            pad = (0, 0, width - n, 0)
+            ks.append(torch.nn.functional.pad(k[0, :, :n], pad))
+            vs.append(torch.nn.functional.pad(v[0, :, :n], pad))
+        batch[kind] = (torch.stack(ks), torch.stack(vs))
+    mask = torch.zeros(len(ends), width, dtype=torch.long)
+    for row, end in enumerate(ends):
+        mask[row, width - end - 1:] = 1
+    return batch, mask
+
+
+def draft_steps(assistant, target, states: list[tuple[int, int]], hidden,
+                kv, tokens_in, k: int, width: int):
+    """The drafter's k steps for a batch of states (position p, bonus token
+    b), as tpu-inference runs them: step 1 reads [embedding of b, target
+    hidden at p], steps > 1 [embedding of the previous step's token (from
+    `tokens_in(step, row, logits)`), the previous step's post_projection
+    output]; every step at position p over the target's K/V 0..p. Returns
+    the k logits [B, V]."""
+    import torch
+    positions = torch.tensor([[p] for p, _ in states])
+    shared, mask = _left_padded(kv, [p for p, _ in states], width)
+    embed = target.model.embed_tokens
+    token = torch.tensor([[b] for _, b in states])
+    h = hidden[positions[:, 0]][:, None]  # [B, 1, H]
+    out = []
+    for step in range(k):
+        x = torch.cat([embed(token).to(h.dtype), h], -1)
+        r = assistant(inputs_embeds=x, position_ids=positions,
+                      attention_mask=mask, shared_kv_states=shared)
+        logits = r.logits[:, 0]
+        out.append(logits)
+        h = r.last_hidden_state
+        token = tokens_in(step, logits)[:, None]
+    return out
+
+
+def reference(target, assistant, prompt: list[int], max_tokens: int, k: int,
+              stop: set[int]):
+    """Greedy draft-and-verify as vLLM with tpu-inference's Gemma 4 MTP
+    drafter runs it, with transformers' target and assistant: the target's
+    tokens, and per target step the drafts proposed and how many of them the
+    target accepted (vLLM counts a step's drafts and acceptances before
+    cutting its tokens at a stop token or max_tokens)."""
+    import torch
+    ids = list(prompt)
+    hidden, kv, greedy, _ = target_states(target, ids)
+    ids.append(greedy[-1])  # the prefill's token
+    out, steps = [ids[-1]], []
+    while not (out[-1] in stop or len(out) >= max_tokens):
+        p = len(ids) - 2
+        with torch.no_grad():
+            logits = draft_steps(assistant, target, [(p, ids[-1])], hidden,
+                                 kv, lambda s, lg: lg.argmax(-1), k,
+                                 p + 1)
+        drafts = [int(lg[0].argmax()) for lg in logits]
+        hidden, kv, greedy, _ = target_states(target, ids + drafts)
+        accepted = 0
+        for j, d in enumerate(drafts):
+            if greedy[p + 1 + j] != d:
+                break
+            accepted += 1
+        new = drafts[:accepted] + [greedy[p + 1 + accepted]]
+        steps.append((k, accepted))
+        ids += new
+        for t in new:
+            if out[-1] in stop or len(out) >= max_tokens:
+                break
+            out.append(t)
+        hidden, kv, greedy, _ = target_states(target, ids)
+    return out, steps
+
+
+# ---------------------------------------------------------------------------
+# Training: an assistant whose every draft, on every state the target's
+# trained answers can put it in, is decided by a clear margin, and agrees
+# with the target by design on some drafts only (so speculation sees full
+# acceptance, partial acceptance and rejection).
+
+DRAFT_STEPS = 4  # the most num_speculative_tokens the tests use
+
+
+def draft_labels(seq: list[int], prompt_len: int, target_logits, index: int,
+                 steps: int = DRAFT_STEPS) -> list[tuple[int, int, list[int]]]:
+    """(position p, bonus token, per step the token to draft) for every
+    state of `seq` (prompt + the target's greedy answer, ending on a stop
+    token): p from the last prompt position on. State r of sequence
+    `index` drafts the target's next tokens (accepted) by pattern
+    (r + index) % 3: 0 all steps, 1 the first step only, 2 none; a draft
+    meant to be rejected is the target's LEAST likely token there, so the
+    target's greedy choice never takes it whatever the rounding."""
+    n = len(seq)
+    worst = target_logits.argmin(-1).tolist()
+    out = []
+    for r, p in enumerate(range(prompt_len - 1, n - 1)):
+        pattern = (r + index) % 3
+        labels = []
+        for j in range(1, steps + 1):
+            t = p + 1 + j  # the position this draft fills
+            right = t < n and (pattern == 0 or (pattern == 1 and j == 1))
+            # Once a draft is meant to be rejected, the later ones are too.
+            right = right and all(lab == seq[p + 1 + i + 1] for i, lab in
+                                  enumerate(labels))
+            labels.append(seq[t] if right else worst[min(t - 1, n - 1)])
+        out.append((p, seq[p + 1], labels))
+    return out
+
+
+def train(target, sequences: list[tuple[list[int], list[int]]], seed: int = 0,
+          margin: float = 3.0, max_steps: int = 1500, lr: float = 3e-3,
+          log=None, **config):
+    """An assistant for `target` (a transformers Gemma4ForCausalLM whose
+    greedy answers to `sequences`' prompts are their answers), trained in
+    float64 on the CPU, deterministically, until every draft of
+    `draft_labels` wins by `margin` logits with its values rounded to bf16.
+    Returns (assistant in float64 holding bf16 values, labels per sequence,
+    steps)."""
+    import copy
+
+    import torch
+    torch.manual_seed(seed)
+    target64 = copy.deepcopy(target).to(torch.float64).eval()
+    text = target64.config.get_text_config().to_dict()
+    model = build(text, seed, **config).to(torch.float64)
+    per_seq, batches = [], []
+    width = max(len(p) + len(a) for p, a in sequences)
+    for index, (prompt, answer) in enumerate(sequences):
+        seq = prompt + answer
+        hidden, kv, greedy, logits = target_states(target64, seq)
+        if greedy[len(prompt) - 1:-1] != answer:
+            raise ValueError(f"sequence {index}: the target's greedy answer "
+                             "is not the given one")
+        labels = draft_labels(seq, len(prompt), logits, index)
+        per_seq.append(labels)
+        batches.append((hidden, kv, labels))
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+
+    def margins(m, grad: bool):
+        worst, total = [], 0.0
+        for hidden, kv, labels in batches:
+            want = torch.tensor([lab for _, _, lab in labels])  # [B, steps]
+            with torch.set_grad_enabled(grad):
+                logits = draft_steps(
+                    m, target64, [(p, b) for p, b, _ in labels], hidden, kv,
+                    lambda s, lg: want[:, s], DRAFT_STEPS, width)
+                for s, lg in enumerate(logits):
+                    right = lg.gather(1, want[:, s:s + 1])[:, 0]
+                    others = lg.scatter(1, want[:, s:s + 1], float("-inf"))
+                    gap = right - others.max(1).values
+                    worst.append(gap.min().detach())
+                    if grad:
+                        total = total + torch.nn.functional.cross_entropy(
+                            lg, want[:, s]) + torch.relu(margin + 1 - gap).mean()
+        return min(worst).item(), total
+
+    steps = 0
+    while steps < max_steps:
+        model.train()
+        worst, loss = margins(model, True)
+        if log and steps % 50 == 0:
+            log(f"assistant step {steps} loss {loss.item():.4f} min margin "
+                f"{worst:.2f}")
+        if worst >= margin + 0.5:
+            rounded = copy.deepcopy(model).eval()
+            with torch.no_grad():
+                for p in rounded.parameters():
+                    p.copy_(p.to(torch.bfloat16).to(torch.float64))
+            if margins(rounded, False)[0] >= margin:
+                return rounded, per_seq, steps
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        steps += 1
+    raise RuntimeError(f"assistant: min margin {worst:.2f} < {margin} after "
+                       f"{max_steps} steps")
+
+
+def save_servable_pair(root: str | Path, forms=(None, ), seed: int = 0,
+                       log=None):
+    """Train testing/agent.py's tiny target and an assistant for it
+    (`train`) on its conversations and on three of them continued from
+    part-way through its three longest answers; write the target as each export form of
+    `forms` (None: the QAT bf16 export; "q4_0" / "w4a16": agent.py's int4
+    forms) under root/target-FORM and the assistant in bf16 under
+    root/assistant. Returns (target, assistant, requests as (prompt ids,
+    answer ids))."""
+    import torch
+
+    from vllm_gemma_qat.testing import agent, tiny
+    root = Path(root)
+    tokenizer = agent.save_tokenizer(root / "tokenizer")
+    target, grid, _ = agent.train(tokenizer, seed, log=log)
+    requests = agent.examples(tokenizer)
+    longest = sorted(requests, key=lambda r: -len(r[1]))[:3]
+    requests += [(p + a[:m], a[m:]) for (p, a), m in zip(longest, (2, 5, 3))]
+    for form in forms:
+        path = root / f"target-{form or 'bf16'}"
+        if form is None:
+            tiny.save_checkpoint(target, path, layout="qat", dtype=None)
+        else:
+            tiny.save_int4_checkpoint(target, path, grid, form)
+        agent.save_tokenizer(path)
+        Path(path, "generation_config.json").write_text(json.dumps({
+            "bos_token_id": 2, "pad_token_id": 0,
+            "eos_token_id": [agent.tiny_id(t) for t in agent.STOP]}))
+    helper, _, _ = train(target, requests[:5], seed, log=log)
+    save(helper.to(torch.bfloat16), root / "assistant")
+    return target, helper.to(torch.float64), requests
+
+
+def stop_tokens() -> set[int]:
+    from vllm_gemma_qat.testing import agent
+    return {agent.tiny_id(t) for t in agent.STOP}
