@@ -29,8 +29,13 @@ from vllm_gemma_qat.testing import assistant
 INT4 = ["--hf-overrides", json.dumps({
     "quantization_config": quantization.w4a16_quantization_config()})]
 # name: (target export form, num_speculative_tokens, flags, step tokens)
+# k=4: 8 requests x (1 + 4) tokens do not fit a 32-token step, and vLLM
+# would then schedule fewer drafts for some (what the reference cannot know).
 CONFIGS = {
     "bf16-k2": (None, 2, ["--dtype", "bfloat16"], 32),
+    "int4-fp8-k4": ("q4_0", 4, ["--dtype", "bfloat16", "--kv-cache-dtype",
+                                "fp8", *INT4], 64),
+    "w4a16-k1": ("w4a16", 1, ["--dtype", "bfloat16"], 32),
 }
 
 
@@ -118,6 +123,30 @@ def test_greedy_and_acceptance_equal_the_reference_loop(served, trained):
                 want["per_pos"][i] += 1
     got = delta(after, before)
     print(config, "served", got, "reference", want)
-    # Full and partial acceptance and rejection all occurred.
-    assert 0 < want["per_pos"][k - 1] < want["per_pos"][0] < want["drafts_total"]
+    # Full and partial acceptance (k > 1) and rejection all occurred.
+    assert 0 < want["per_pos"][k - 1] <= want["per_pos"][0] < want[
+        "drafts_total"]
+    if k > 1:
+        assert want["per_pos"][k - 1] < want["per_pos"][0]
     assert {n: got[n] for n in want} == want
+    # The assistant loaded by gemma_qat, every weight bf16 (an int4 target
+    # too: the drafter takes its own quantization config, patches/0007).
+    line = re.search(r"gemma_qat: assistant loaded (\d+) tensors .*weights "
+                     r"by dtype: (.*)", server.log.read_text())
+    assert line[1] == "26" and re.fullmatch(r"bfloat16 [\d.]+ MiB", line[2]), \
+        line[0]
+
+
+def test_prefix_cache_hits_with_speculation(served, trained):
+    server, model, k, config = served
+    _, target, _, requests = trained
+    prompt, answer = requests[0]
+    before = server.metrics().get("vllm:prefix_cache_hits_total", 0)
+    answers = [server.post("/v1/completions", {
+        "model": model, "prompt": prompt, "temperature": 0,
+        "max_tokens": len(answer), "return_token_ids": True,
+        "skip_special_tokens": False})["choices"][0]["token_ids"]
+        for _ in range(2)]
+    hits = server.metrics()["vllm:prefix_cache_hits_total"] - before
+    assert hits >= 16 * (len(prompt) // 16 - 1), hits  # all full pages
+    assert answers[0] == answers[1] == answer
