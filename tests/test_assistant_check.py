@@ -118,3 +118,29 @@ def test_vllm_serve_fails_fast_on_a_mismatched_assistant(tmp_path, target):
                     f"{path} does not fit target {target}: sliding_window is "
                     "16, the target's is 8"), last
     assert "EngineCore" not in out.stdout
+
+
+def test_plan_counts_the_assistant_with_the_target(tmp_path, target):
+    # The assistant's weights (bf16 here) join the target's on every chip
+    # and come out of the KV budget; a mismatched one is the loader's error.
+    import torch
+    from test_preflight import cli
+    path = assistant.save(assistant.build(
+        assistant.target_text_config(target)).to(torch.bfloat16),
+        tmp_path / "a")
+    numel = sum(t.numel for t in open_checkpoint(path).tensors.values())
+    args = ("plan", target, "--agents", "1", "--context", "256", "--json")
+    rc, out, _ = cli(*args)
+    alone = json.loads(out)
+    rc, out, _ = cli(*args, "--assistant", path)
+    both = json.loads(out)
+    assert rc == 0 and both["assistant_bytes"] == 2 * numel
+    assert both["weight_bytes"] - alone["weight_bytes"] == 2 * numel
+    assert alone["budget_bytes"] - both["budget_bytes"] == 2 * numel
+    assert both["kv_bytes_per_token"] == alone["kv_bytes_per_token"]
+    rc, out, _ = cli(*args[:-1], "--assistant", path)
+    assert "assistant   0.00 GB of it, whole on every chip" in out
+    assert "no KV of its own" in out
+    bad = write(tmp_path, target, "bad", sliding_window=16)
+    rc, out, err = cli(*args[:-1], "--assistant", bad)
+    assert rc == 2 and "sliding_window is 16, the target's is 8" in out + err

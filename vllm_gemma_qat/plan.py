@@ -76,6 +76,10 @@ class Weights:
     tensors: dict[str, tuple[int, int]]
     other_bytes: int = 0
     vision_bytes: int = 0  # the part of other_bytes that is the vision tower
+    # A speculative-decoding assistant (MTP drafter), in the served dtype,
+    # counted whole on every chip (an upper bound under TP). It holds no KV
+    # of its own: its layers read the target's cache.
+    assistant_bytes: int = 0
 
     def per_chip(self, geo: Geometry, form: str, tp: int,
                  dtype_bytes: int | None = None) -> tuple[int, int]:
@@ -93,7 +97,7 @@ class Weights:
                 split += nbytes
             else:
                 whole += nbytes
-        whole += self.other_bytes
+        whole += self.other_bytes + self.assistant_bytes
         return split + whole, -(-split // tp) + whole
 
 
@@ -122,6 +126,7 @@ class Plan:
     tokens_per_image: int | None  # KV positions, boi / eoi included
     images_per_agent: int
     kv_bytes_per_image: int | None  # per chip
+    assistant_bytes: int = 0  # in weight_bytes (and per chip, whole)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -189,4 +194,5 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
         images_per_agent=images_per_agent,
         kv_bytes_per_image=tokens_per_image * per_token
         if tokens_per_image else None,
+        assistant_bytes=weights.assistant_bytes,
     )
