@@ -28,11 +28,13 @@ from vllm_gemma_qat.testing import assistant
 
 INT4 = ["--hf-overrides", json.dumps({
     "quantization_config": quantization.w4a16_quantization_config()})]
-# name: (target export form, num_speculative_tokens, flags, step tokens)
+# name: (target export form, num_speculative_tokens, flags, step tokens).
+# The regular export (shared layers ship unused K/V) and the two QAT int4
+# exports.
 # k=4: 8 requests x (1 + 4) tokens do not fit a 32-token step, and vLLM
 # would then schedule fewer drafts for some (what the reference cannot know).
 CONFIGS = {
-    "bf16-k2": (None, 2, ["--dtype", "bfloat16"], 32),
+    "bf16-k2": ("regular", 2, ["--dtype", "bfloat16"], 32),
     "int4-fp8-k4": ("q4_0", 4, ["--dtype", "bfloat16", "--kv-cache-dtype",
                                 "fp8", *INT4], 64),
     "w4a16-k1": ("w4a16", 1, ["--dtype", "bfloat16"], 32),

@@ -143,13 +143,33 @@ def _left_padded(kv: dict, ends: list[int], width: int) -> tuple[dict, object]:
 
 
 def draft_steps(assistant, target, states: list[tuple[int, int]], hidden,
-                kv, tokens_in, k: int, width: int):
+                kv, tokens_in, k: int, width: int, parts: bool = False):
     """The drafter's k steps for a batch of states (position p, bonus token
     b), as tpu-inference runs them: step 1 reads [embedding of b, target
     hidden at p], steps > 1 [embedding of the previous step's token (from
     `tokens_in(step, row, logits)`), the previous step's post_projection
     output]; every step at position p over the target's K/V 0..p. Returns
-    the k logits [B, V]."""
+    the k logits [B, V] (masked to the top centroids' tokens under
+    `use_ordered_embeddings`); `parts`: per step (those logits, the lm_head's
+    logits over the whole vocabulary, the centroid logits or None)."""
+    import torch
+    normed = []  # the text model's final norm: what lm_head and centroids read
+    hook = assistant.model.norm.register_forward_hook(
+        lambda module, args, output: normed.append(output[:, 0]))
+    try:
+        out = _draft_steps(assistant, target, states, hidden, kv, tokens_in,
+                           k, width)
+    finally:
+        hook.remove()
+    if not parts:
+        return out
+    masked = assistant.masked_embedding
+    return [(lg, assistant.lm_head(n),
+             masked.centroids(n) if masked is not None else None)
+            for lg, n in zip(out, normed)]
+
+
+def _draft_steps(assistant, target, states, hidden, kv, tokens_in, k, width):
     import torch
     positions = torch.tensor([[p] for p, _ in states])
     shared, mask = _left_padded(kv, [p for p, _ in states], width)
@@ -268,22 +288,43 @@ def train(target, sequences: list[tuple[list[int], list[int]]], seed: int = 0,
         batches.append((hidden, kv, labels))
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 
+    cluster = None
+    if model.masked_embedding is not None:  # token -> its centroid
+        per = text["vocab_size"] // model.config.num_centroids
+        cluster = torch.empty(text["vocab_size"], dtype=torch.long)
+        cluster[model.masked_embedding.token_ordering] = torch.arange(
+            text["vocab_size"]) // per
+        top_k = model.config.centroid_intermediate_top_k
+
+    def hinge(logits, want, rank: int = 1):
+        """CE and hinge pushing `want` ahead of the `rank`-th best other
+        by `margin`; the smallest such gap."""
+        right = logits.gather(1, want[:, None])[:, 0]
+        others = logits.scatter(1, want[:, None], float("-inf"))
+        gap = right - others.topk(rank, 1).values[:, -1]
+        loss = torch.nn.functional.cross_entropy(logits, want) + torch.relu(
+            margin + 1 - gap).mean()
+        return gap.min().detach(), loss
+
     def margins(m, grad: bool):
         worst, total = [], 0.0
         for hidden, kv, labels in batches:
             want = torch.tensor([lab for _, _, lab in labels])  # [B, steps]
             with torch.set_grad_enabled(grad):
-                logits = draft_steps(
+                steps = draft_steps(
                     m, target64, [(p, b) for p, b, _ in labels], hidden, kv,
-                    lambda s, lg: want[:, s], DRAFT_STEPS, width)
-                for s, lg in enumerate(logits):
-                    right = lg.gather(1, want[:, s:s + 1])[:, 0]
-                    others = lg.scatter(1, want[:, s:s + 1], float("-inf"))
-                    gap = right - others.max(1).values
-                    worst.append(gap.min().detach())
-                    if grad:
-                        total = total + torch.nn.functional.cross_entropy(
-                            lg, want[:, s]) + torch.relu(margin + 1 - gap).mean()
+                    lambda s, lg: want[:, s], DRAFT_STEPS, width, parts=True)
+                for s, (_, full, centroids) in enumerate(steps):
+                    # The token wins over the whole vocabulary, and (centroid
+                    # masking) its centroid is among the top_k chosen.
+                    gap, loss = hinge(full, want[:, s])
+                    worst.append(gap)
+                    total = total + loss
+                    if centroids is not None:
+                        gap, loss = hinge(centroids, cluster[want[:, s]],
+                                          top_k)
+                        worst.append(gap)
+                        total = total + loss
         return min(worst).item(), total
 
     steps = 0
@@ -313,7 +354,8 @@ def save_servable_pair(root: str | Path, forms=(None, ), seed: int = 0,
     """Train testing/agent.py's tiny target and an assistant for it
     (`train`) on its conversations and on three of them continued from
     part-way through its three longest answers; write the target as each export form of
-    `forms` (None: the QAT bf16 export; "q4_0" / "w4a16": agent.py's int4
+    `forms` (None: the QAT bf16 export; "regular": the regular export,
+    shared layers' unused K/V included; "q4_0" / "w4a16": agent.py's int4
     forms) under root/target-FORM and the assistant in bf16 under
     root/assistant. Returns (target, assistant, requests as (prompt ids,
     answer ids))."""
@@ -328,8 +370,9 @@ def save_servable_pair(root: str | Path, forms=(None, ), seed: int = 0,
     requests += [(p + a[:m], a[m:]) for (p, a), m in zip(longest, (2, 5, 3))]
     for form in forms:
         path = root / f"target-{form or 'bf16'}"
-        if form is None:
-            tiny.save_checkpoint(target, path, layout="qat", dtype=None)
+        if form in (None, "regular"):
+            tiny.save_checkpoint(target, path, layout=form or "qat",
+                                 dtype=None)
         else:
             tiny.save_int4_checkpoint(target, path, grid, form)
         agent.save_tokenizer(path)
