@@ -31,21 +31,39 @@ INT4 = ["--hf-overrides", json.dumps({
 # name: (target export form, num_speculative_tokens, flags, step tokens).
 # The regular export (shared layers ship unused K/V) and the two QAT int4
 # exports.
-# k=4: 8 requests x (1 + 4) tokens do not fit a 32-token step, and vLLM
-# would then schedule fewer drafts for some (what the reference cannot know).
+# name: (target export form, num_speculative_tokens, flags, step tokens,
+# assistant with centroid masking). The regular export (shared layers ship
+# unused K/V) and the two QAT int4 exports. k=4: 8 requests x (1 + 4)
+# tokens do not fit a 32-token step, and vLLM would then schedule fewer
+# drafts for some (what the reference cannot know). Google's assistants
+# mask their vocabulary by centroids (`use_ordered_embeddings`): the int4
+# server's assistant too.
 CONFIGS = {
-    "bf16-k2": ("regular", 2, ["--dtype", "bfloat16"], 32),
-    "int4-fp8-k4": ("q4_0", 4, ["--dtype", "bfloat16", "--kv-cache-dtype",
-                                "fp8", *INT4], 64),
-    "w4a16-k1": ("w4a16", 1, ["--dtype", "bfloat16"], 32),
+    "bf16-k2": ("regular", 2, ["--dtype", "bfloat16"], 32, False),
+    "int4-fp8-k4-masked": ("q4_0", 4, ["--dtype", "bfloat16",
+                                       "--kv-cache-dtype", "fp8", *INT4],
+                           64, True),
+    "w4a16-k1": ("w4a16", 1, ["--dtype", "bfloat16"], 32, False),
 }
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    """The target in every form, and per kind (masked or not) an assistant
+    trained when a server first needs it (a pytest-xdist worker runs only
+    its groups' servers)."""
     root = tmp_path_factory.mktemp("spec-decode")
     forms = sorted({c[0] for c in CONFIGS.values()}, key=str)
-    target, helper, requests = assistant.save_servable_pair(root, forms)
+    target, requests = assistant.save_targets(root, forms)
+    helpers = {}
+
+    def helper(masked: bool):
+        if masked not in helpers:
+            helpers[masked] = assistant.save_trained(
+                root / f"assistant-masked-{masked}", target, requests,
+                use_ordered_embeddings=masked)
+        return root / f"assistant-masked-{masked}", helpers[masked]
+
     return root, target, helper, requests
 
 
@@ -54,14 +72,14 @@ def trained(tmp_path_factory):
     for c in CONFIGS])
 def served(request, trained):
     root, target, helper, requests = trained
-    form, k, flags, step = CONFIGS[request.param]
+    form, k, flags, step, masked = CONFIGS[request.param]
     model = root / f"target-{form or 'bf16'}"
-    spec = json.dumps({"model": str(root / "assistant"),
-                       "num_speculative_tokens": k})
+    path, model64 = helper(masked)
+    spec = json.dumps({"model": str(path), "num_speculative_tokens": k})
     with CpuServer(model, *flags, "--speculative-config", spec,
                    log=root / f"server-{request.param}.log",
                    step_tokens=step) as server:
-        yield server, str(model), k, request.param
+        yield server, str(model), k, request.param, model64
 
 
 def spec_metrics(server) -> dict:
@@ -90,8 +108,8 @@ def delta(after: dict, before: dict) -> dict:
 
 
 def test_greedy_and_acceptance_equal_the_reference_loop(served, trained):
-    server, model, k, config = served
-    _, target, helper, requests = trained
+    server, model, k, config, helper = served
+    _, target, _, requests = trained
     target64 = copy.deepcopy(target).double()
     stop = assistant.stop_tokens()
 
@@ -135,12 +153,15 @@ def test_greedy_and_acceptance_equal_the_reference_loop(served, trained):
     # too: the drafter takes its own quantization config, patches/0007).
     line = re.search(r"gemma_qat: assistant loaded (\d+) tensors .*weights "
                      r"by dtype: (.*)", server.log.read_text())
-    assert line[1] == "26" and re.fullmatch(r"bfloat16 [\d.]+ MiB", line[2]), \
-        line[0]
+    masked = CONFIGS[config][4]  # + centroids and the int token ordering
+    assert line[1] == str(26 + 2 * masked), line[0]
+    assert re.fullmatch(r"bfloat16 [\d.]+ MiB" + (r", int32 [\d.]+ MiB"
+                                                   if masked else ""),
+                        line[2]), line[0]
 
 
 def test_prefix_cache_hits_with_speculation(served, trained):
-    server, model, k, config = served
+    server, model, k, config, _ = served
     _, target, _, requests = trained
     prompt, answer = requests[0]
     before = server.metrics().get("vllm:prefix_cache_hits_total", 0)

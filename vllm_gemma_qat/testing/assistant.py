@@ -349,18 +349,13 @@ def train(target, sequences: list[tuple[list[int], list[int]]], seed: int = 0,
                        f"{max_steps} steps")
 
 
-def save_servable_pair(root: str | Path, forms=(None, ), seed: int = 0,
-                       log=None):
-    """Train testing/agent.py's tiny target and an assistant for it
-    (`train`) on its conversations and on three of them continued from
-    part-way through its three longest answers; write the target as each export form of
-    `forms` (None: the QAT bf16 export; "regular": the regular export,
+def save_targets(root: str | Path, forms=(None, ), seed: int = 0, log=None):
+    """Train testing/agent.py's tiny target and write it as each export form
+    of `forms` (None: the QAT bf16 export; "regular": the regular export,
     shared layers' unused K/V included; "q4_0" / "w4a16": agent.py's int4
-    forms) under root/target-FORM and the assistant in bf16 under
-    root/assistant. Returns (target, assistant, requests as (prompt ids,
-    answer ids))."""
-    import torch
-
+    forms) under root/target-FORM (None: target-bf16). Returns (target,
+    requests as (prompt ids, answer ids)): its conversations, and three of
+    them continued from part-way through its three longest answers."""
     from vllm_gemma_qat.testing import agent, tiny
     root = Path(root)
     tokenizer = agent.save_tokenizer(root / "tokenizer")
@@ -379,9 +374,19 @@ def save_servable_pair(root: str | Path, forms=(None, ), seed: int = 0,
         Path(path, "generation_config.json").write_text(json.dumps({
             "bos_token_id": 2, "pad_token_id": 0,
             "eos_token_id": [agent.tiny_id(t) for t in agent.STOP]}))
-    helper, _, _ = train(target, requests[:5], seed, log=log)
-    save(helper.to(torch.bfloat16), root / "assistant")
-    return target, helper.to(torch.float64), requests
+    return target, requests
+
+
+def save_trained(path: str | Path, target, requests, seed: int = 0,
+                 log=None, **config):
+    """`train` an assistant for `target` on the agent conversations (the
+    first five of `save_targets`' requests; the other three pass through
+    the same states) and write it in bf16 to `path`. Returns it in float64
+    (holding the same bf16 values)."""
+    import torch
+    helper, _, _ = train(target, requests[:5], seed, log=log, **config)
+    save(helper.to(torch.bfloat16), path)
+    return helper.to(torch.float64)
 
 
 def stop_tokens() -> set[int]:
