@@ -18,8 +18,14 @@ p + 1:
 - draft j > 1: token draft j-1, the previous draft step's `post_projection`
   output, the SAME position p and cache (constant draft positions).
 
-`draft_and_verify` replays that with transformers' modules (greedy,
-float64), and counts what vLLM's spec-decode metrics count.
+`reference` replays that with transformers' modules (greedy, float64),
+and counts what vLLM's spec-decode metrics count. (transformers' own
+`Gemma4AssistantCandidateGenerator` feeds the assistant differently: its
+query sits at the bonus token's position p + 1, over the target's K/V
+sliced to the sequence length. vLLM's GPU `Gemma4Speculator`, like
+tpu-inference, keeps the draft positions fixed: `advance_draft_positions`
+is False. The reference follows tpu-inference, the implementation under
+test.)
 """
 from __future__ import annotations
 
