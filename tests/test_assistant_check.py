@@ -144,3 +144,18 @@ def test_plan_counts_the_assistant_with_the_target(tmp_path, target):
     bad = write(tmp_path, target, "bad", sliding_window=16)
     rc, out, err = cli(*args[:-1], "--assistant", bad)
     assert rc == 2 and "sliding_window is 16, the target's is 8" in out + err
+
+
+def test_vllm_serve_refuses_a_draft_that_is_not_an_assistant(tmp_path, target):
+    # Without a draft_load_config of its own, gemma_qat's loader would get
+    # it: named before any engine starts, with the way out.
+    from test_bad_input import _vllm_serve
+    out = _vllm_serve(target, "--speculative-config", json.dumps(
+        {"model": str(target), "num_speculative_tokens": 2}))
+    assert out.returncode != 0
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("vllm_gemma_qat.checkpoint.CheckpointError: draft "
+                           f"model {target}: architectures "
+                           "['Gemma4ForCausalLM']"), last
+    assert last.endswith('"draft_load_config": {"load_format": "auto"}'), last
+    assert "EngineCore" not in out.stdout

@@ -29,6 +29,17 @@ MODEL_TYPE = "gemma4_assistant"
 PROJECTIONS = ("pre_projection.weight", "post_projection.weight")
 
 
+def not_an_assistant(draft: str, config: dict) -> CheckpointError:
+    """The error for a drafter gemma_qat would be asked to load that is not
+    a Gemma 4 assistant."""
+    return CheckpointError(
+        f"draft model {draft}: architectures {config.get('architectures')} "
+        f"(model_type {config.get('model_type')!r}) is not a Gemma 4 "
+        f"assistant ({ARCHITECTURE}), the one drafter --load-format gemma_qat "
+        "loads; give another drafter its own loader in --speculative-config: "
+        '"draft_load_config": {"load_format": "auto"}')
+
+
 def is_assistant(config: dict) -> bool:
     return (ARCHITECTURE in (config.get("architectures") or [])
             or config.get("model_type") == MODEL_TYPE)

@@ -34,6 +34,8 @@ class GemmaQatModelLoader(BaseModelLoader):
         ckpt = checkpoint.open_checkpoint(path)
         if assistant.is_assistant(ckpt.config):
             return self._load_assistant(model, ckpt)
+        if getattr(model_config, "runner", None) == "draft":
+            raise assistant.not_an_assistant(model_config.model, ckpt.config)
         report = geometry.check(ckpt)
         report.raise_if_invalid(path)
 

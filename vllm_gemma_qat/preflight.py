@@ -35,9 +35,10 @@ def check_before_engine(create_engine_config):
                                    getattr(self, "download_dir", None),
                                    getattr(self, "tensor_parallel_size", 1),
                                    getattr(self, "hf_overrides", None))
-            check_local_assistant(self.model, _draft_model(self),
-                                  getattr(self, "revision", None),
-                                  getattr(self, "download_dir", None))
+            if not _draft_has_own_load_config(self):
+                check_local_assistant(self.model, _draft_model(self),
+                                      getattr(self, "revision", None),
+                                      getattr(self, "download_dir", None))
         return create_engine_config(self, *args, **kwargs)
 
     return wrapped
@@ -51,13 +52,22 @@ def _draft_model(engine_args) -> str | None:
     return getattr(spec, "model", None)
 
 
+def _draft_has_own_load_config(engine_args) -> bool:
+    spec = getattr(engine_args, "speculative_config", None)
+    if isinstance(spec, dict):
+        return spec.get("draft_load_config") is not None
+    return getattr(spec, "draft_load_config", None) is not None
+
+
 def check_local_assistant(target: str, draft: str | None,
                           revision: str | None = None,
                           download_dir: str | None = None) -> None:
     """A Gemma 4 assistant named by `--speculative-config` checked against
     its target from both headers, when both are on this machine (else the
     engine's loader checks it after downloading). Another kind of draft
-    model (an EAGLE head, say) is left to vLLM."""
+    model (an EAGLE head, say) is an error here: gemma_qat's loader would
+    be asked to load it (the caller skips drafts with a draft_load_config
+    of their own)."""
     if not draft:
         return
     try:
@@ -72,7 +82,8 @@ def check_local_assistant(target: str, draft: str | None,
     except CheckpointError:
         return  # not (all) here yet: the engine's loader checks it
     if not assistant.is_assistant(config):
-        return
+        # gemma_qat's loader would be asked to load it (no draft_load_config)
+        raise assistant.not_an_assistant(draft, config)
     report = assistant.check(checkpoint.open_checkpoint(draft_path),
                              checkpoint.read_config(target_path), target)
     report.raise_if_invalid()
