@@ -3,7 +3,7 @@
 ASSISTANT, "num_speculative_tokens": k}'` in CPU mode (#30).
 
 The target is testing/agent.py's tiny Gemma 4, the assistant one trained
-here (testing/assistant.py, float64, ~30 s) so that its drafts on every
+here (testing/assistant.py, float64, ~50 s) so that its drafts on every
 state the target's answers pass through win by >= 3 logits, and agree with
 the target by design on some drafts only: full acceptance, partial
 acceptance and rejection all occur. Checked per server: the greedy tokens
@@ -53,38 +53,43 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """The target in every form, and per kind (masked or not) an assistant
-    trained when a server first needs it (a pytest-xdist worker runs only
-    its groups' servers)."""
+    """Per export form the target, and per kind (masked or not) an
+    assistant trained for it, each made when a server first needs it (a
+    pytest-xdist worker runs only its groups' servers; every form holds the
+    same model: agent.py trains it with torch's kernels pinned)."""
     root = tmp_path_factory.mktemp("spec-decode")
-    forms = sorted({c[0] for c in CONFIGS.values()}, key=str)
-    target, requests = assistant.save_targets(root, forms)
-    helpers = {}
+    made = {}
 
-    def helper(masked: bool):
-        if masked not in helpers:
-            helpers[masked] = assistant.save_trained(
-                root / f"assistant-masked-{masked}", target, requests,
-                use_ordered_embeddings=masked)
-        return root / f"assistant-masked-{masked}", helpers[masked]
+    def target(form):
+        if form not in made:
+            made[form] = assistant.save_target(root, form)
+        return made[form]
 
-    return root, target, helper, requests
+    def helper(masked: bool, hf, requests):
+        path = root / f"assistant-masked-{masked}"
+        if path not in made:
+            made[path] = assistant.save_trained(path, hf, requests,
+                                                use_ordered_embeddings=masked)
+        return path, made[path]
+
+    return root, target, helper
 
 
 @pytest.fixture(scope="module", params=[
     pytest.param(c, marks=pytest.mark.xdist_group(f"spec-{c}"))
     for c in CONFIGS])
 def served(request, trained):
-    root, target, helper, requests = trained
+    root, target, helper = trained
     form, k, flags, step, masked, extra = CONFIGS[request.param]
+    hf, requests = target(form)
+    path, model64 = helper(masked, hf, requests)
     model = root / f"target-{form or 'bf16'}"
-    path, model64 = helper(masked)
     spec = json.dumps({"model": str(path), "num_speculative_tokens": k,
                        **extra})
     with CpuServer(model, *flags, "--speculative-config", spec,
                    log=root / f"server-{request.param}.log",
                    step_tokens=step) as server:
-        yield server, str(model), k, request.param, model64
+        yield server, str(model), k, request.param, model64, hf, requests
 
 
 def spec_metrics(server) -> dict:
@@ -112,9 +117,8 @@ def delta(after: dict, before: dict) -> dict:
     return out
 
 
-def test_greedy_and_acceptance_equal_the_reference_loop(served, trained):
-    server, model, k, config, helper = served
-    _, target, _, requests = trained
+def test_greedy_and_acceptance_equal_the_reference_loop(served):
+    server, model, k, config, helper, target, requests = served
     target64 = copy.deepcopy(target).double()
     stop = assistant.stop_tokens()
 
@@ -169,9 +173,8 @@ def test_greedy_and_acceptance_equal_the_reference_loop(served, trained):
                         line[2]), line[0]
 
 
-def test_prefix_cache_hits_with_speculation(served, trained):
-    server, model, k, config, _ = served
-    _, target, _, requests = trained
+def test_prefix_cache_hits_with_speculation(served):
+    server, model, k, config, _, _, requests = served
     prompt, answer = requests[0]
     before = server.metrics().get("vllm:prefix_cache_hits_total", 0)
     answers = [server.post("/v1/completions", {

@@ -127,20 +127,29 @@ def target_states(target, ids: list[int]):
     return out.last_hidden_state[0], kv, logits[0].argmax(-1).tolist(), logits[0]
 
 
-def _left_padded(kv: dict, ends: list[int], width: int) -> tuple[dict, object]:
+def _left_padded(kv: dict, ends: list[int], width: int,
+                 window: int) -> tuple[dict, object]:
     """K/V of each state's positions 0..end (inclusive) moved to the END of
     a `width`-long axis (transformers' assistant masks assume left padding:
     it takes a sliding window's entries from the end), batched, and the
-    [B, width] attention mask."""
+    [B, width] attention mask. The sliding layers' K/V are cut to the last
+    `window` positions (end - window + 1 .. end), a `window`-long axis:
+    tpu-inference's drafter reads those `window` keys (the query's position
+    counted, as the target's own sliding layers do), while transformers'
+    assistant mask lets a query see `window` + 1 (measured: its output over
+    the whole K/V equals that over the last window + 1 entries only)."""
     import torch
     batch = {}
     for kind, (k, v) in kv.items():
+        size = min(width, window) if kind == "sliding_attention" else width
         ks, vs = [], []
         for end in ends:
-            n = end + 1
-            pad = (0, 0, width - n, 0)
-            ks.append(torch.nn.functional.pad(k[0, :, :n], pad))
-            vs.append(torch.nn.functional.pad(v[0, :, :n], pad))
+            n = min(end + 1, size)
+            pad = (0, 0, size - n, 0)
+            ks.append(torch.nn.functional.pad(k[0, :, end + 1 - n:end + 1],
+                                              pad))
+            vs.append(torch.nn.functional.pad(v[0, :, end + 1 - n:end + 1],
+                                              pad))
         batch[kind] = (torch.stack(ks), torch.stack(vs))
     mask = torch.zeros(len(ends), width, dtype=torch.long)
     for row, end in enumerate(ends):
@@ -178,7 +187,9 @@ def draft_steps(assistant, target, states: list[tuple[int, int]], hidden,
 def _draft_steps(assistant, target, states, hidden, kv, tokens_in, k, width):
     import torch
     positions = torch.tensor([[p] for p, _ in states])
-    shared, mask = _left_padded(kv, [p for p, _ in states], width)
+    shared, mask = _left_padded(
+        kv, [p for p, _ in states], width,
+        assistant.config.get_text_config().sliding_window)
     embed = target.model.embed_tokens
     token = torch.tensor([[b] for _, b in states])
     h = hidden[positions[:, 0]][:, None]  # [B, 1, H]
@@ -265,13 +276,22 @@ def draft_labels(seq: list[int], prompt_len: int, target_logits, index: int,
     return out
 
 
+def _e4m3(x):
+    import torch
+    info = torch.finfo(torch.float8_e4m3fn)
+    return x.clamp(info.min, info.max).to(torch.float8_e4m3fn).to(
+        torch.float64)
+
+
 def train(target, sequences: list[tuple[list[int], list[int]]], seed: int = 0,
           margin: float = 3.0, max_steps: int = 1500, lr: float = 3e-3,
           log=None, **config):
     """An assistant for `target` (a transformers Gemma4ForCausalLM whose
     greedy answers to `sequences`' prompts are their answers), trained in
     float64 on the CPU, deterministically, until every draft of
-    `draft_labels` wins by `margin` logits with its values rounded to bf16.
+    `draft_labels` wins by `margin` logits with its values rounded to bf16,
+    on the target's exact inputs and on rounded ones (bf16 activations,
+    float8_e4m3fn K/V).
     Returns (assistant in float64 holding bf16 values, labels per sequence,
     steps)."""
     import copy
@@ -279,6 +299,7 @@ def train(target, sequences: list[tuple[list[int], list[int]]], seed: int = 0,
     import torch
     torch.manual_seed(seed)
     target64 = copy.deepcopy(target).to(torch.float64).eval()
+    target_bf16 = copy.deepcopy(target).to(torch.bfloat16).eval()
     text = target64.config.get_text_config().to_dict()
     model = build(text, seed, **config).to(torch.float64)
     per_seq, batches = [], []
@@ -292,6 +313,14 @@ def train(target, sequences: list[tuple[list[int], list[int]]], seed: int = 0,
         labels = draft_labels(seq, len(prompt), logits, index)
         per_seq.append(labels)
         batches.append((hidden, kv, labels))
+        # What a served target hands the drafter is rounded: its hidden
+        # states computed in bf16, its K/V stored in bf16 or fp8. The drafts
+        # must win by the margin on those inputs too (the roughest: bf16
+        # activations, K/V rounded to float8_e4m3fn).
+        rough_hidden, rough_kv, _, _ = target_states(target_bf16, seq)
+        batches.append((rough_hidden.to(torch.float64),
+                        {t: tuple(_e4m3(x) for x in v)
+                         for t, v in rough_kv.items()}, labels))
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 
     cluster = None
@@ -355,38 +384,35 @@ def train(target, sequences: list[tuple[list[int], list[int]]], seed: int = 0,
                        f"{max_steps} steps")
 
 
-def save_targets(root: str | Path, forms=(None, ), seed: int = 0, log=None):
-    """Train testing/agent.py's tiny target and write it as each export form
-    of `forms` (None: the QAT bf16 export; "regular": the regular export,
-    shared layers' unused K/V included; "q4_0" / "w4a16": agent.py's int4
-    forms) under root/target-FORM (None: target-bf16). Returns (target,
-    requests as (prompt ids, answer ids)): its conversations, and three of
-    them continued from part-way through its three longest answers."""
+def save_target(root: str | Path, form: str | None = None, seed: int = 0,
+                log=None):
+    """testing/agent.py's tiny target, trained as `agent.save_servable`
+    trains it (a process with torch's CPU kernels pinned: the same model on
+    every x86 CPU), written under root/target-FORM as the export `form`
+    (None: the QAT bf16 export, in target-bf16; "regular": the regular
+    export, shared layers' unused K/V included; "q4_0" / "w4a16":
+    agent.py's int4 forms). Returns (target, requests as (prompt ids,
+    answer ids)): its conversations, and three of them continued from
+    part-way through its three longest answers."""
+    from transformers import AutoTokenizer
+
     from vllm_gemma_qat.testing import agent, tiny
-    root = Path(root)
-    tokenizer = agent.save_tokenizer(root / "tokenizer")
-    target, grid, _ = agent.train(tokenizer, seed, log=log)
-    requests = agent.examples(tokenizer)
+    path = Path(root) / f"target-{form or 'bf16'}"
+    int4 = form if form in ("q4_0", "w4a16") else None
+    target = agent.save_servable(path, int4, seed, log=log)
+    if form == "regular":  # the same values, plus the unused shared K/V
+        tiny.save_checkpoint(target, path, layout="regular", dtype=None)
+        agent.save_tokenizer(path)
+    requests = agent.examples(AutoTokenizer.from_pretrained(path))
     longest = sorted(requests, key=lambda r: -len(r[1]))[:3]
     requests += [(p + a[:m], a[m:]) for (p, a), m in zip(longest, (2, 5, 3))]
-    for form in forms:
-        path = root / f"target-{form or 'bf16'}"
-        if form in (None, "regular"):
-            tiny.save_checkpoint(target, path, layout=form or "qat",
-                                 dtype=None)
-        else:
-            tiny.save_int4_checkpoint(target, path, grid, form)
-        agent.save_tokenizer(path)
-        Path(path, "generation_config.json").write_text(json.dumps({
-            "bos_token_id": 2, "pad_token_id": 0,
-            "eos_token_id": [agent.tiny_id(t) for t in agent.STOP]}))
     return target, requests
 
 
 def save_trained(path: str | Path, target, requests, seed: int = 0,
                  log=None, **config):
     """`train` an assistant for `target` on the agent conversations (the
-    first five of `save_targets`' requests; the other three pass through
+    first five of `save_target`'s requests; the other three pass through
     the same states) and write it in bf16 to `path`. Returns it in float64
     (holding the same bf16 values)."""
     import torch
