@@ -1,16 +1,20 @@
 """The runtime substitutions, declared once: every target of the fixes
-(`vllm_gemma_qat.fixes`: kv-share, image steps, preemption, compile-once),
+(`vllm_gemma_qat.fixes`: kv-share, image steps, preemption, compile-once,
+the drafter's load config and quantization),
 of preflight and of CPU mode exists in the installed tpu-inference; a
 missing target is named, never silently added; CPU mode refuses TPU
 machines."""
 import pytest
 
 from vllm_gemma_qat import cpu, fixes, preflight, substitute
-from vllm_gemma_qat.fixes import compile_once, image_steps, kv_share, preemption
+from vllm_gemma_qat.fixes import (compile_once, drafter_load,
+                                  drafter_quantization, image_steps, kv_share,
+                                  preemption)
 from vllm_gemma_qat.substitute import MissingTarget, Substitution
 
-NAMES = ["kv_share", "image_steps", "preemption", "compile_once", "preflight",
-         "CPU kernels", "CPU runtime"]
+NAMES = ["kv_share", "image_steps", "preemption", "compile_once",
+         "drafter_load", "drafter_quantization", "preflight", "CPU kernels",
+         "CPU runtime"]
 
 
 def tables():
@@ -18,6 +22,8 @@ def tables():
             "image_steps": image_steps.substitutions(),
             "preemption": preemption.substitutions(),
             "compile_once": compile_once.substitutions(),
+            "drafter_load": drafter_load.substitutions(),
+            "drafter_quantization": drafter_quantization.substitutions(),
             "preflight": preflight.substitutions(),
             "CPU kernels": cpu.kernel_substitutions(),
             "CPU runtime": cpu.runtime_substitutions()}

@@ -1,5 +1,6 @@
 """patches/ fixes tpu-inference itself (#3225; image steps; preemption;
-one cache clear per weight load; weights in the model's dtype): applied to a
+one cache clear per weight load; weights in the model's dtype; the
+speculative drafter's load config and quantization): applied to a
 copy of the installed (pinned) tpu-inference, stock `auto` loads both
 layouts with no plugin, each patch's own tests pass, and the plugin steps
 aside."""
@@ -38,6 +39,14 @@ NEW_TEST_FILES = {
     "0005-Weights-Load-floating-point-weights-in-the-model-dtype.patch": (
         "tests/models/jax/test_weight_loading_dtype.py",
         ("tpu_inference/models/jax/utils/weight_utils.py", )),
+    "0006-Spec-decode-Load-the-drafter-with-draft_load_config.patch": (
+        "tests/models/common/test_model_loader_draft_load_config.py",
+        ("tpu_inference/models/common/model_loader.py", )),
+    "0007-Spec-decode-Build-the-drafter-with-its-own-quantization-config"
+    ".patch": (
+        "tests/models/common/test_model_loader_draft_quantization.py",
+        ("tpu_inference/models/common/model_loader.py",
+         "tpu_inference/layers/jax/quantization/__init__.py")),
 }
 
 

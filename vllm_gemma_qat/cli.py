@@ -10,6 +10,7 @@ not load / does not fit / a program did not compile; 2 unreadable input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from vllm_gemma_qat import checkpoint, geometry, plan, quantization
+from vllm_gemma_qat import assistant, checkpoint, geometry, plan, quantization
 from vllm_gemma_qat.checkpoint import CheckpointError
 
 
@@ -250,8 +251,39 @@ def _load_json(p: Path) -> dict:
 SERVED_DTYPE_BYTES = {"auto": None, "bfloat16": 2, "float32": 4}
 
 
+def _assistant_bytes(target: str, config: dict, name: str,
+                     dtype: str) -> tuple[int, int, str]:
+    """(bytes on each chip, tensors, dtypes) of the Gemma 4 assistant
+    `name` (a directory, a repo id in the HF cache, else its headers from
+    the hub), after checking that it fits the target's config: the
+    CheckpointError of the loader otherwise. Its floating-point tensors in
+    the served `dtype` (auto: as stored)."""
+    try:
+        path = checkpoint.resolve(name, allow_download=False)
+        ckpt = checkpoint.open_checkpoint(path)
+    except CheckpointError:
+        if not _looks_like_repo_id(name):
+            raise
+        ckpt = checkpoint.open_remote(name)
+    report = assistant.check(ckpt, config, target)
+    report.raise_if_invalid()
+    served = SERVED_DTYPE_BYTES[dtype]
+    total, dtypes = 0, set()
+    for tensor in ckpt.tensors.values():
+        dtypes.add(tensor.dtype.lower())
+        floating = tensor.dtype in ("BF16", "F16", "F32")
+        total += tensor.numel * served if served and floating \
+            else tensor.nbytes
+    return total, len(ckpt.tensors), dtype if served else ", ".join(
+        sorted(dtypes))
+
+
 def cmd_plan(args) -> int:
     geo, weights, dtypes, source, config = _plan_inputs(args.target)
+    if args.assistant:
+        helper_bytes, helper_tensors, helper_dtypes = _assistant_bytes(
+            args.target, config, args.assistant, args.dtype)
+        weights = dataclasses.replace(weights, assistant_bytes=helper_bytes)
     p = plan.make_plan(geo, weights, agents=args.agents,
                        context=args.context, kv_dtype=args.kv_dtype,
                        hbm_gib=args.hbm_gib, utilization=args.utilization,
@@ -278,6 +310,11 @@ def cmd_plan(args) -> int:
         if p.tp > 1 else ""
     print(f"weights       {_gb(p.weight_bytes_per_chip)}{chips} ({dtypes}; "
           f"from {source})")
+    if args.assistant:
+        print(f"  assistant   {_gb(p.assistant_bytes)} of it, whole on every "
+              f"chip ({args.assistant}: {helper_tensors} tensors, "
+              f"{helper_dtypes}; no KV of its own: its layers read the "
+              "target's cache)")
     if p.context_limit and args.context > p.context_limit:
         print(f"context       {args.context} tokens exceeds the model's "
               f"max_position_embeddings {p.context_limit}: does NOT fit")
@@ -487,6 +524,10 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=_positive(int), default=1,
                    help="chips in the slice, as vLLM --tensor-parallel-size "
                    "(v6e-4: 4, v6e-8: 8); the figures are per chip")
+    p.add_argument("--assistant", metavar="DIR_OR_REPO",
+                   help="a Gemma 4 assistant served with it "
+                   "(--speculative-config): checked against the target, its "
+                   "weights counted with the target's")
     p.add_argument("--json", action="store_true",
                    help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)

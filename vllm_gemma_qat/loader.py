@@ -10,7 +10,8 @@ from __future__ import annotations
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from vllm_gemma_qat import checkpoint, geometry, quantization, weights
+from vllm_gemma_qat import (assistant, checkpoint, geometry, quantization,
+                            weights)
 from vllm_gemma_qat.fixes import compile_once
 
 # Under the "vllm" logger so the lines show in vLLM's own log output.
@@ -31,6 +32,10 @@ class GemmaQatModelLoader(BaseModelLoader):
     def load_weights(self, model, model_config) -> None:
         path = self._resolve(model_config)
         ckpt = checkpoint.open_checkpoint(path)
+        if assistant.is_assistant(ckpt.config):
+            return self._load_assistant(model, ckpt)
+        if getattr(model_config, "runner", None) == "draft":
+            raise assistant.not_an_assistant(model_config.model, ckpt.config)
         report = geometry.check(ckpt)
         report.raise_if_invalid(path)
 
@@ -72,6 +77,34 @@ class GemmaQatModelLoader(BaseModelLoader):
                 "bytes, %d per device; replicated %d bytes", shards["devices"],
                 shards["split"], shards["split_per_device"],
                 shards["replicated"])
+
+
+    def _load_assistant(self, model, ckpt) -> None:
+        """The drafter of `--speculative-config '{"model": ASSISTANT}'`
+        (tpu-inference builds it through the target's loader): checked
+        against its target as strictly as the target is checked, every
+        tensor loaded in the served dtype, every parameter accounted for."""
+        vllm_config = getattr(model, "vllm_config", None)
+        if vllm_config is None:
+            from vllm.config import get_current_vllm_config
+            vllm_config = get_current_vllm_config()
+        target = vllm_config.model_config
+        target_path = checkpoint.resolve(target.model, target.revision,
+                                         self.load_config.download_dir)
+        report = assistant.check(ckpt, checkpoint.read_config(target_path),
+                                 target.model)
+        report.raise_if_invalid()
+        feed = weights.WeightFeed(report, set(), target.dtype)
+        progress = getattr(self.load_config, "use_tqdm_on_load", True)
+        with compile_once.one_cache_clear() as deferred:
+            loaded = model.load_weights(feed.tensors(ckpt, progress=progress))
+            deferred()
+        feed.verify(model, loaded, ckpt)
+        logger.info("gemma_qat: assistant loaded %d tensors from %s (%d "
+                    "layers, all KV-shared and Q-only, reading %s's cache); "
+                    "weights by dtype: %s", feed.handed_over, ckpt.path,
+                    report.geometry.num_layers, target.model,
+                    weights.describe_bytes(weights.param_bytes_by_dtype(model)))
 
 
 def _tensor_parallel_size() -> int:

@@ -77,6 +77,10 @@ class Weights:
     other_bytes: int = 0
     vision_bytes: int = 0  # the part of other_bytes that is the vision tower
     other_numel: int = 0  # elements of other_bytes (0: unknown)
+    # A speculative-decoding assistant (MTP drafter), in the served dtype,
+    # counted whole on every chip (an upper bound under TP). It holds no KV
+    # of its own: its layers read the target's cache.
+    assistant_bytes: int = 0
 
     def per_chip(self, geo: Geometry, form: str, tp: int,
                  dtype_bytes: int | None = None) -> tuple[int, int]:
@@ -97,6 +101,7 @@ class Weights:
         # The towers are served in --dtype too (fixes/weight_dtype.py).
         whole += self.other_numel * dtype_bytes \
             if dtype_bytes and self.other_numel else self.other_bytes
+        whole += self.assistant_bytes
         return split + whole, -(-split // tp) + whole
 
 
@@ -125,6 +130,7 @@ class Plan:
     tokens_per_image: int | None  # KV positions, boi / eoi included
     images_per_agent: int
     kv_bytes_per_image: int | None  # per chip
+    assistant_bytes: int = 0  # in weight_bytes (and per chip, whole)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -192,4 +198,5 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
         images_per_agent=images_per_agent,
         kv_bytes_per_image=tokens_per_image * per_token
         if tokens_per_image else None,
+        assistant_bytes=weights.assistant_bytes,
     )

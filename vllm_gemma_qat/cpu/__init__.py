@@ -15,6 +15,8 @@ of `substitutions()` in this order:
   Gemma 4's vision tower runs (through `sharded_flash_attention`), by
   `flash_attention.flash_attention` (pure JAX, per device).
 - `linear.gmm_v2`: tokamax's int4 matmul kernel, by `gmm.gmm`.
+- `Eagle3Proposer._propose`, `DFlashProposer._propose` (speculative
+  decoding): the same jit without the TPU-only options it sets inline.
 - `tpu_runner.make_optimized_mesh`: a mesh from CPU devices (the original
   sorts devices by TPU coordinates).
 - `utils.general_device_put`: copies host arrays first (the CPU backend may
@@ -34,6 +36,7 @@ tpu-inference (or JAX) stops it with `substitute.MissingTarget`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import logging
 import os
@@ -147,6 +150,16 @@ def runtime_substitutions() -> list:
              "get_sampling_compiler_options"),
             ("tpu_inference.layers.jax.sample.sampling",
              "get_sampling_compiler_options"))]
+    # Speculative decoding's proposers jit `_propose` with TPU-only options
+    # inline (not through the getters above): the same jit without them.
+    table += [
+        Substitution(f"tpu_inference.spec_decode.jax.{module}:{cls}._propose",
+                     functools.partial(jit_without_compiler_options,
+                                       static_argnums=static),
+                     no_options + " (speculative decoding's proposer jits "
+                     "them inline)", wraps=True)
+        for module, cls, static in (("eagle3", "Eagle3Proposer", (0, 7, 8)),
+                                    ("dflash", "DFlashProposer", (0, )))]
     budget = int(float(os.environ.get(CPU_MEMORY_ENV, "0.1")) * 2**30)
     return table + [
         Substitution("tpu_inference.runner.tpu_runner:make_optimized_mesh",
@@ -158,6 +171,17 @@ def runtime_substitutions() -> list:
                      lambda: budget, f"CPU devices have no HBM size "
                      f"({CPU_MEMORY_ENV}: {budget / 2**30:g} GiB)"),
     ]
+
+
+def jit_without_compiler_options(jitted, static_argnums):
+    """A proposer's `_propose` jitted as tpu-inference 0.32 jits it
+    (`static_argnums`, the KV caches donated, outputs' shardings left to
+    XLA) but with no `compiler_options`: its XLA TPU options make the CPU
+    backend refuse the program (`No such compile option`)."""
+    import jax
+    return jax.jit(jitted.__wrapped__, static_argnums=static_argnums,
+                   donate_argnames=("kv_caches", ),
+                   out_shardings=(None, None))
 
 
 def cpu_mesh(axis_shapes, axis_names, *, devices=None):

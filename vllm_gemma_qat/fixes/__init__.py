@@ -9,6 +9,8 @@ Each acts only under `--load-format gemma_qat` (`vllm_gemma_qat.gate`).
 | `preemption` | 0003 | resumed requests keep their real output tokens (async scheduling) |
 | `compile_once` | 0004 | a weight load clears JAX's caches once, not per module |
 | `weight_dtype` | 0005 | floating-point weights loaded in the served dtype |
+| `drafter_load` | 0006 | speculative decoding: the drafter loaded with `draft_load_config` when given (else the target's loader: gemma_qat's checks and loads a Gemma 4 assistant) |
+| `drafter_quantization` | 0007 | speculative decoding: the drafter built with its own quantization config, not the target's |
 
 `register` installs those in `ALL` (substitutions made when their
 tpu-inference module is imported); `weight_dtype` is applied by the loader's
@@ -20,7 +22,8 @@ from __future__ import annotations
 import importlib
 
 # Installed by `register`, in this order.
-ALL = ("kv_share", "preemption", "image_steps", "compile_once")
+ALL = ("kv_share", "preemption", "image_steps", "compile_once",
+       "drafter_load", "drafter_quantization")
 
 
 def modules() -> list:
