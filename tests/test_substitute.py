@@ -83,3 +83,27 @@ def test_cpu_mode_refuses_tpu_machines(tmp_path):
     (tmp_path / "accel0").touch()
     assert "accel0 exists" in cpu.tpu_evidence({"JAX_PLATFORMS": "cpu"},
                                                str(tmp_path))
+
+
+def test_another_tables_substitution_for_the_same_target_goes_in():
+    # A fix wraps a target; AOT mode then replaces the same target for the
+    # length of a compile (found: AOT's model build was skipped as "already
+    # installed" once the drafter's load fix wrapped _get_nnx_model).
+    import types
+    owner = types.ModuleType("owner")
+    owner.f = lambda: "original"
+    import sys
+    sys.modules["_substitute_test_owner"] = owner
+    try:
+        fix = [Substitution("_substitute_test_owner:f",
+                            lambda f: (lambda: "fixed " + f()), "a fix",
+                            wraps=True)]
+        other = [Substitution("_substitute_test_owner:f", lambda: "other",
+                              "another mode")]
+        assert substitute.apply(fix, "fix") and owner.f() == "fixed original"
+        assert not substitute.apply(fix, "fix")  # again: nothing more
+        with substitute.applied(other, "other"):
+            assert owner.f() == "other"
+        assert owner.f() == "fixed original"
+    finally:
+        del sys.modules["_substitute_test_owner"]

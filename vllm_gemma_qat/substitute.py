@@ -65,13 +65,17 @@ def apply(table: list[Substitution], label: str,
     for s in table:
         owner, name = s.resolve()
         current = getattr(owner, name)
-        if getattr(current, _MARK, None) == s.target:
+        # Marked by target and reason: applying a table again changes
+        # nothing, but another table's substitution for the same target
+        # (AOT mode's model build over a fix's wrapper) still goes in.
+        mark = (s.target, s.why)
+        if getattr(current, _MARK, None) == mark:
             continue  # already installed
         new = s.replacement(current) if s.wraps else s.replacement
         try:
-            setattr(new, _MARK, s.target)
+            setattr(new, _MARK, mark)
         except (AttributeError, TypeError):  # builtins such as dict
-            new = _marked(new, s.target)
+            new = _marked(new, mark)
         setattr(owner, name, new)
         changed.append((owner, name, current))
     if changed:
@@ -93,7 +97,7 @@ def applied(table: list[Substitution], label: str):
 def installed(target: str) -> bool:
     """Whether a substitution for `target` is in place now."""
     owner, name = Substitution(target, None, "").resolve()
-    return getattr(getattr(owner, name), _MARK, None) == target
+    return (getattr(getattr(owner, name), _MARK, None) or (None, ))[0] == target
 
 
 def after_import(module_name: str, callback: Callable) -> None:
@@ -141,10 +145,10 @@ def describe(table: list[Substitution]) -> str:
     return "\n".join(f"  {s.target}: {s.why}" for s in table)
 
 
-def _marked(function: Callable, target: str) -> Callable:
+def _marked(function: Callable, mark: tuple) -> Callable:
 
     def call(*args, **kwargs):
         return function(*args, **kwargs)
 
-    setattr(call, _MARK, target)
+    setattr(call, _MARK, mark)
     return call
