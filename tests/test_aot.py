@@ -193,10 +193,16 @@ def test_a_renamed_target_stops_the_aot_mode(monkeypatch):
 def test_flags_vllm_refuses_are_one_clear_error(checkpoints, capfd):
     # As `vllm serve` would refuse them (the tiny model has 4096 positions);
     # without --max-model-len compile takes vLLM's default, the model's.
+    import os
+    environ = dict(os.environ)
     rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
                    "v6e-1", "--max-model-len", "9000"])
     last = capfd.readouterr().err.strip().splitlines()[-1]
     assert rc == 2
+    # compile sets libtpu's and vLLM's variables (VLLM_LOGGING_LEVEL=WARNING
+    # among them) while it runs: a server this process starts next must not
+    # inherit them (CI: every log check of later tests on this worker failed)
+    assert dict(os.environ) == environ
     assert last.startswith("error: vLLM refuses these flags for ") and \
         "max_model_len (9000) is greater than the derived max_model_len" \
         in last, last

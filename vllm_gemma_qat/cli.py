@@ -400,6 +400,9 @@ def cmd_compile(args) -> int:
 
     # vLLM, tpu-inference and libtpu log to stdout: stdout carries the
     # table or the JSON alone (their lines go to stderr; vLLM's at WARNING).
+    # The environment is the caller's again afterwards (compile sets libtpu's
+    # and vLLM's variables; a process that serves next must not inherit them).
+    environ = dict(os.environ)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     sys.stdout.flush()
     saved = os.dup(1)
@@ -423,6 +426,8 @@ def cmd_compile(args) -> int:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
+        os.environ.clear()
+        os.environ.update(environ)
     if r is None:
         print(json.dumps({"error": error}))
         return 2

@@ -137,7 +137,21 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
         raise AotError(f"--kv-dtype {kv_dtype!r}: one of "
                        f"{', '.join(KV_DTYPES)}")
     log = log or (lambda msg: None)
-    _environment(topo)
+    environ = dict(os.environ)
+    try:
+        _environment(topo)
+        return _compile_with_plugin(target, topo, tp, weights, kv_dtype,
+                                    dtype, max_model_len, max_num_seqs,
+                                    max_num_batched_tokens, utilization,
+                                    logits, sampling, token_buckets, log)
+    finally:  # the caller's environment back (a server started next)
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
+                         max_model_len, max_num_seqs, max_num_batched_tokens,
+                         utilization, logits, sampling, token_buckets, log):
     started = time.perf_counter()
 
     from vllm_gemma_qat import cli, plan as planlib
