@@ -107,3 +107,23 @@ def test_another_tables_substitution_for_the_same_target_goes_in():
         assert owner.f() == "fixed original"
     finally:
         del sys.modules["_substitute_test_owner"]
+
+
+def test_apply_on_import_waits_for_the_module_and_registers_once(
+        tmp_path, monkeypatch):
+    import importlib
+    import sys
+    (tmp_path / "_later_imported.py").write_text("def f():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    table = lambda: [Substitution("_later_imported:f",  # noqa: E731
+                                  lambda: 2, "test")]
+    for _ in range(2):  # register() runs in every process, maybe twice
+        substitute.apply_on_import("_later_imported", table, "test")
+    finders = [f for f in sys.meta_path
+               if getattr(f, "name", None) == "_later_imported"]
+    assert len(finders) == 1 and len(finders[0].callbacks) == 1
+    assert "_later_imported" not in sys.modules  # not imported by it
+    try:
+        assert importlib.import_module("_later_imported").f() == 2
+    finally:
+        sys.modules.pop("_later_imported", None)

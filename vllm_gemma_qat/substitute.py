@@ -97,7 +97,8 @@ def applied(table: list[Substitution], label: str):
 def installed(target: str) -> bool:
     """Whether a substitution for `target` is in place now."""
     owner, name = Substitution(target, None, "").resolve()
-    return (getattr(getattr(owner, name), _MARK, None) or (None, ))[0] == target
+    mark = getattr(getattr(owner, name), _MARK, None) or (None, )
+    return mark[0] == target
 
 
 def after_import(module_name: str, callback: Callable) -> None:
@@ -115,6 +116,24 @@ def after_import(module_name: str, callback: Callable) -> None:
                 finder.callbacks.append(callback)
             return
     sys.meta_path.insert(0, _AfterImport(module_name, [callback]))
+
+
+def apply_on_import(module_name: str,
+                    table: Callable[[], list[Substitution]],
+                    label: str) -> None:
+    """`apply(table(), label)` when `module_name` is imported (now, if it
+    is): how a fix installs its table without importing tpu-inference.
+    Idempotent (the callback compares equal for the same table and label)."""
+    after_import(module_name, _ApplyTable(table, label))
+
+
+@dataclass(frozen=True)
+class _ApplyTable:
+    table: Callable[[], list[Substitution]]
+    label: str
+
+    def __call__(self, _module=None) -> None:
+        apply(self.table(), self.label)
 
 
 class _AfterImport:

@@ -55,12 +55,9 @@ _loading: contextvars.ContextVar[_Load | None] = contextvars.ContextVar(
 def install() -> None:
     """Patch when tpu-inference's weight loader is imported (by the worker),
     not now: `register` must not import JAX."""
-    substitute.after_import(WEIGHT_UTILS, apply)
-
-
-def apply(_weight_utils=None) -> None:
-    substitute.apply(substitutions(), f"vllm-gemma-qat (--load-format "
-                     f"{LOAD_FORMAT} only, weight loading)")
+    substitute.apply_on_import(
+        WEIGHT_UTILS, substitutions,
+        f"vllm-gemma-qat (--load-format {LOAD_FORMAT} only, weight loading)")
 
 
 def substitutions() -> list[Substitution]:

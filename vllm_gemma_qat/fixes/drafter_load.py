@@ -23,12 +23,9 @@ TARGET_MODULE = "tpu_inference.models.common.model_loader"
 
 
 def install() -> None:
-    substitute.after_import(TARGET_MODULE, apply)
-
-
-def apply(_module=None) -> None:
-    substitute.apply(substitutions(), "vllm-gemma-qat (--load-format "
-                     f"{LOAD_FORMAT} only)")
+    substitute.apply_on_import(
+        TARGET_MODULE, substitutions,
+        f"vllm-gemma-qat (--load-format {LOAD_FORMAT} only)")
 
 
 def substitutions() -> list[Substitution]:

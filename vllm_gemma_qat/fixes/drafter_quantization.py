@@ -31,12 +31,9 @@ _building_drafter = contextvars.ContextVar("building_gemma_qat_drafter",
 
 
 def install() -> None:
-    substitute.after_import(TARGET_MODULE, apply)
-
-
-def apply(_module=None) -> None:
-    substitute.apply(substitutions(), "vllm-gemma-qat (--load-format "
-                     f"{LOAD_FORMAT} only)")
+    substitute.apply_on_import(
+        TARGET_MODULE, substitutions,
+        f"vllm-gemma-qat (--load-format {LOAD_FORMAT} only)")
 
 
 def substitutions() -> list[Substitution]:

@@ -32,12 +32,9 @@ COMPILATION = "tpu_inference.runner.compilation_manager:CompilationManager"
 
 
 def install() -> None:
-    substitute.after_import(TARGET_MODULE, apply)
-
-
-def apply(_gemma4_mm=None) -> None:
-    substitute.apply(substitutions(), f"vllm-gemma-qat (--load-format "
-                     f"{LOAD_FORMAT} only, images)")
+    substitute.apply_on_import(
+        TARGET_MODULE, substitutions,
+        f"vllm-gemma-qat (--load-format {LOAD_FORMAT} only, images)")
 
 
 def substitutions() -> list[Substitution]:

@@ -37,12 +37,9 @@ logger = init_logger(f"vllm.{__name__}")
 def install() -> None:
     """Patch the runner when its module is imported (by the worker), not
     now: importing tpu-inference would cost every vLLM process seconds."""
-    substitute.after_import(RUNNER_MODULE, apply)
-
-
-def apply(_tpu_runner=None) -> None:
-    substitute.apply(substitutions(), f"vllm-gemma-qat (--load-format "
-                     f"{LOAD_FORMAT} only, preemption)")
+    substitute.apply_on_import(
+        RUNNER_MODULE, substitutions,
+        f"vllm-gemma-qat (--load-format {LOAD_FORMAT} only, preemption)")
 
 
 def substitutions() -> list[Substitution]:
