@@ -1,18 +1,28 @@
 """The KV-pressure workload of the preemption tests (issue #21): a cache of
-24 blocks (384 tokens) holds two or three of eight ~120-190-token prompts,
-so vLLM preempts running requests and recomputes them later. Async
-scheduling and prefix caching stay at vLLM's defaults (on)."""
+40 blocks holds two of eight requests (20-55-token prompts, 180 tokens
+each) while they are short, and not as they grow, so vLLM preempts running
+requests and recomputes them later. Async scheduling and prefix caching stay
+at vLLM's defaults (on).
+
+Sizes for the tiny E4B-like model under gemma_qat's sliding-window KV
+(#3220): 4 groups of one page each (3 rows of sliding layers, 1 full layer)
+draw on one pool of blocks. A request holds a block per 16 tokens of the
+full layer and, per sliding row, the 2-4 blocks its 8-token window needs;
+vLLM admits a request only when its prompt's full-layer blocks + 3 x 6
+blocks (what it reserves per window at 32 tokens a step, async) are free.
+Two short requests pass that (about 12 + 22 of 40 blocks) and outgrow the
+cache at ~200 tokens each (2 x (13 + 3 x 3) > 40); a third waits."""
 from __future__ import annotations
 
 import concurrent.futures
 
 from harness import complete
 
-SMALL_CACHE = ("--num-gpu-blocks-override", "24")
-# Distinct texts (no shared prefix), 120-190 tokens (the tokenizer is
+SMALL_CACHE = ("--num-gpu-blocks-override", "40")
+# Distinct texts (no shared prefix), 20-55 tokens (the tokenizer is
 # byte-level: one token per character).
-PROMPTS = [(f"Agent {i} reads the log. " * 9)[:120 + 10 * i] for i in range(8)]
-N = 24  # greedy tokens per answer
+PROMPTS = [(f"Agent {i} reads the log. " * 3)[:20 + 5 * i] for i in range(8)]
+N = 180  # greedy tokens per answer
 
 
 def reference(hf, prompt_ids, n=N) -> list[int]:

@@ -12,7 +12,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from kv_pressure import N, PROMPTS, SMALL_CACHE, answers, wrong_answers
+from kv_pressure import PROMPTS, SMALL_CACHE, answers, wrong_answers
 from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import tiny
 
@@ -205,14 +205,14 @@ def _settled(server, timeout=60):
         time.sleep(0.2)
 
 
-# Sizes for the abort test on the 24-block (384-token) cache: A (100 + 150
-# tokens) and B (150 + up to 100) fit together at first and outgrow the
-# cache after ~67 steps each; vLLM (FCFS) then preempts the later one, B,
-# which cannot come back while A grows (it needs as many blocks as it
-# freed, A takes one of them); C, sent then, waits behind B.
-LONG = (("A reads the log. " * 10)[:100], 150)
-PREEMPTED = (("B writes the report. " * 10)[:150], 100)
-WAITING = (("C asks. " * 6)[:40], N)
+# Sizes for the abort test on the 40-block cache (kv_pressure): A (40 + 200
+# tokens) and B (60 + 180) fit together at first and outgrow the cache
+# after ~130 steps each; vLLM (FCFS) then preempts the later one, B, which
+# cannot come back while A runs (its ~190 tokens need 12 + 18 free blocks
+# to be admitted, A holds over 20); C, sent then, waits behind B.
+LONG = (("A reads the log. " * 3)[:40], 200)
+PREEMPTED = (("B writes the report. " * 3)[:60], 180)
+WAITING = (("C asks. " * 6)[:40], 24)
 
 
 def test_abort_while_preempted_or_waiting_leaves_nothing_behind(served):
@@ -271,7 +271,7 @@ def test_abort_while_preempted_or_waiting_leaves_nothing_behind(served):
 
 
 def test_three_times_max_num_seqs_concurrent_requests(served):
-    """24 requests at once (--max-num-seqs 8) on the same 384-token cache:
+    """24 requests at once (--max-num-seqs 8) on the same small cache:
     each answered once, each equal to transformers."""
     server, hf, model = served
     prompts = [(f"Request {i} asks for the file. " * 5)[:40 + 4 * i]

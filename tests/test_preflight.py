@@ -115,12 +115,20 @@ def test_plan_e2b_reproduces_18_kib_per_token_and_1_21_gb(tmp_path):
     p = json.loads(out)
     assert rc == 0 and p["fits"]
     assert p["kv_bytes_per_token"] == 18 * 1024
-    assert p["kv_total_bytes"] == 8 * 8192 * 18 * 1024
-    assert round(p["kv_total_bytes"] / 1e9, 2) == 1.21
-    # SWA-aware: the 12 sliding layers stop at the 512-token window.
-    full = 3 * 2 * 512 * 2
-    assert p["kv_bytes_per_token_swa_full_layers"] == full
-    assert p["kv_total_bytes_swa"] == 8 * (8192 * full + 512 * (18 * 1024 - full))
+    # tpu-inference 0.32 as it is: every layer at full context.
+    assert p["kv_total_bytes_full_context"] == 8 * 8192 * 18 * 1024
+    assert round(p["kv_total_bytes_full_context"] / 1e9, 2) == 1.21
+    # gemma_qat (#3220): the 12 sliding layers in 6 rows of a full layer's
+    # page (16 tokens x K and V x 512 x 2 bytes), grouped with the 3 full
+    # layers in 3 groups of 3 pages; a request at 8192 tokens holds 512
+    # blocks of the full group and, per row group, what vLLM reserves for
+    # the 512-token window with 2 x 1024 tokens in flight.
+    assert p["kv_sliding_window"]
+    assert p["kv_block_bytes"] == 3 * 16 * 2 * 512 * 2
+    assert p["kv_blocks_per_agent"] == 512 + 2 * (-(-(511 + 2048) // 16) + 1)
+    assert p["kv_total_bytes"] == 8 * 834 * 3 * 16 * 2 * 512 * 2
+    assert p["max_agents_at_context"] > \
+        1.5 * p["max_agents_at_context_full_context"]
 
 
 def test_plan_from_config_and_int4_and_overflow(tmp_path):

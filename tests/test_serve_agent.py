@@ -234,14 +234,18 @@ def test_plan_predicts_the_kv_cache_the_server_allocates(served):
     log = server.log.read_text()
     logged = int(re.search(r"TPU KV cache size: ([\d,]+) tokens",
                            log).group(1).replace(",", ""))
-    page = int(re.search(r"regular_attn_shape=\(num_blocks, \((\d+),",
-                         log).group(1))
+    blocks = int(re.search(r"num_blocks=\[(\d+)\]", log)[1])
     hbm = re.search(r"VLLM_GEMMA_QAT_CPU_MEMORY_GIB: ([\d.]+) GiB", log)[1]
     kv_flag = {"bfloat16": "bf16", "float8_e5m2": "fp8_e5m2"}[kv]
     out = subprocess.run(
         [shutil.which("vllm-gemma-qat"), "plan", model, "--agents", "1",
          "--context", "256", "--kv-dtype", kv_flag, "--dtype", dtype,
-         "--hbm-gib", hbm, "--json"],
+         "--hbm-gib", hbm, "--max-num-batched-tokens",
+         str(server.step_tokens), "--json"],
         capture_output=True, text=True, check=True)
-    planned = json.loads(out.stdout)["kv_cache_tokens"]
-    assert planned - page < logged <= planned, (planned, logged)
+    planned = json.loads(out.stdout)
+    # The pool (sliding-window KV: blocks of the full layer's page) and what
+    # vLLM makes of it for a request at --max-model-len.
+    assert planned["kv_sliding_window"]
+    assert (planned["kv_pool_blocks"], planned["kv_cache_tokens"]) == (
+        blocks, logged)

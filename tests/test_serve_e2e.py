@@ -3,6 +3,8 @@ engine and scheduler, tpu-inference's runner, on JAX's CPU backend (CPU
 mode), a tiny QAT checkpoint, a server process on 127.0.0.1."""
 import concurrent.futures
 import json
+import math
+import re
 import threading
 import time
 
@@ -99,3 +101,92 @@ def test_prefix_caching_hits_and_identical_output(served):
 def test_guided_decoding_json_schema(served):
     server, _, model = served
     assert guided_tool_call(server, model)["tool"] in ("search", "read")
+
+
+# Sliding-window KV under gemma_qat (#3220). The tiny E2B-like model: 10
+# layers, 5 KV-owning (4 sliding, head_dim 128; 1 full, head_dim 256; one
+# KV head), window 8; the server: float32, pages of 16 tokens, 32 tokens a
+# step, --max-model-len 256.
+WINDOW, PAGE, STEP, MAX_LEN = 8, 16, 32, 256
+SLIDING_ROWS = 2  # 4 sliding layers, two per 256-wide row
+
+
+def _cache_layout(log: str) -> tuple[int, int, int]:
+    """(blocks in vLLM's pool, cache arrays, bytes of one page: 16 tokens of
+    one array) as the engine logged."""
+    shape = re.search(r"regular_attn_shape=\(num_blocks, \(([\d, ]+)\)\)",
+                      log)[1]
+    return (int(re.search(r"num_blocks=\[(\d+)", log)[1]),
+            int(re.search(r"num_total_layers=(\d+)", log)[1]),
+            math.prod(int(d) for d in shape.split(",")) * 4)  # float32
+
+
+def test_sliding_layers_keep_only_their_window(served):
+    server, _, _ = served
+    log = server.log.read_text()
+    blocks, arrays, page_bytes = _cache_layout(log)
+    concurrency = float(re.search(
+        r"Maximum concurrency for 256 tokens per request: ([\d.]+)x",
+        log)[1])
+    # What vLLM admits a request at --max-model-len for: its full-layer
+    # blocks, and per row what a window needs with two steps in flight.
+    per_request = (MAX_LEN // PAGE + SLIDING_ROWS
+                   * (math.ceil((WINDOW - 1 + 2 * STEP) / PAGE) + 1))
+    assert concurrency == round(blocks / per_request, 2)
+    # The same bytes with every layer at full context (tpu-inference 0.32):
+    # K and V of 4 layers x 128 and 1 x 256 per token, float32.
+    full_context = blocks * arrays * page_bytes / (
+        MAX_LEN * 2 * (4 * 128 + 256) * 4)
+    assert concurrency > 1.6 * full_context, (concurrency, full_context)
+    assert ("gemma_qat: sliding-window KV (#3220): 4 sliding layers in 2 "
+            "rows of 2, window 8") in log
+    # Two groups of rows and the full layer's group share one array.
+    assert "num_kv_cache_groups=3," in log
+    assert "Init kv-cache | num_total_layers=1 |" in log
+
+
+def _reference(hf, prompt_ids, n):
+    import torch
+    with torch.no_grad():  # not stopping at EOS: the requests ignore it
+        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=n,
+                          do_sample=False, eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_pages_past_the_window_are_freed_and_reused_answers_stay_right(
+        served):
+    """Four long requests at once: the pages their rows leave behind the
+    window go back to the pool (what the engine's usage gauge says is held
+    stays near the full layer's pages) and are handed to other requests
+    while the stale ids stay in the runner's block tables; every answer
+    equals transformers'."""
+    server, hf, model = served
+    prompts = [(f"Window {i} slides over the log. " * 8)[:150 + 15 * i]
+               for i in range(4)]
+    n = 40
+    blocks, arrays, _ = _cache_layout(server.log.read_text())
+    used, stop = [], threading.Event()  # pages (16 tokens of one array)
+
+    def watch():
+        while not stop.is_set():
+            used.append(server.metrics()["vllm:kv_cache_usage_perc"]
+                        * (blocks - 1) * arrays)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(
+                lambda p: complete(server, model, p, n=n), prompts))
+    finally:
+        stop.set()
+        watcher.join()
+    for prompt_ids, tokens in results:
+        assert tokens == _reference(hf, prompt_ids, n)
+    full = sum(math.ceil((len(ids) + n) / PAGE) for ids, _ in results)
+    # Held at most: every full-layer page, and per row a window's 2-4
+    # pages (prefix caching may keep finished requests' pages cached, not
+    # held). Rows at full context would hold 3x the full layer's.
+    assert max(used) <= full + len(prompts) * SLIDING_ROWS * 4, (used, full)
+    assert max(used) >= full / 2, (max(used), full)  # the gauge saw the run

@@ -290,7 +290,9 @@ def cmd_plan(args) -> int:
                        form=args.weights, tp=args.tp,
                        tokens_per_image=plan.soft_tokens_per_image(config),
                        images_per_agent=args.images,
-                       dtype_bytes=SERVED_DTYPE_BYTES[args.dtype])
+                       dtype_bytes=SERVED_DTYPE_BYTES[args.dtype],
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       drafter=bool(args.assistant))
     rest = "as stored" if args.dtype == "auto" else args.dtype
     dtypes = (f"int4 linears, the rest {rest}" if args.weights == "int4"
               else dtypes if args.dtype == "auto" else args.dtype)
@@ -322,20 +324,27 @@ def cmd_plan(args) -> int:
           f"({kib:g} KiB, {args.kv_dtype}; "
           f"{geo.num_layers - geo.num_kv_shared_layers} of "
           f"{geo.num_layers} layers hold KV)")
+    layout = (f"sliding layers keep their {geo.text.get('sliding_window')}"
+              "-token window (#3220)" if p.kv_sliding_window else
+              "every layer keeps the full context"
+              + (" (with a drafter)" if args.assistant else ""))
     print(f"budget        {_gb(p.budget_bytes)} for KV per chip "
           f"({args.hbm_gib:g} GiB x {args.utilization:g} - weights): "
-          f"{p.kv_cache_tokens} tokens (vLLM logs 'TPU KV cache size: N "
-          "tokens', N rounded down to whole pages)")
+          f"{p.kv_pool_blocks} blocks of {p.kv_block_bytes / 1024:g} KiB; "
+          f"{layout}")
+    print(f"              vLLM logs 'TPU KV cache size: {p.kv_cache_tokens} "
+          f"tokens' with --max-model-len {args.context}")
     print(f"{args.agents} agents x {args.context} tokens:")
-    print(f"  as tpu-inference allocates today   {_gb(p.kv_total_bytes)}"
+    print(f"  as gemma_qat serves   {_gb(p.kv_total_bytes)}"
           f"  {'fits' if p.fits else 'does NOT fit'}; max "
           f"{p.max_agents_at_context} agents at this context, max "
-          f"{p.max_context_for_agents} tokens for {args.agents} agents")
-    print(f"  sliding-window-aware (window "
-          f"{geo.text.get('sliding_window')})   {_gb(p.kv_total_bytes_swa)}"
-          f"  {'fits' if p.fits_swa else 'does NOT fit'}; max "
-          f"{p.max_agents_at_context_swa} agents, max "
-          f"{p.max_context_for_agents_swa} tokens")
+          f"{p.max_context_for_agents} tokens for {args.agents} agents "
+          f"({p.kv_blocks_per_agent} blocks each, as vLLM admits them)")
+    print(f"  every layer at full context (tpu-inference 0.32)   "
+          f"{_gb(p.kv_total_bytes_full_context)}  "
+          f"{'fits' if p.fits_full_context else 'does NOT fit'}; max "
+          f"{p.max_agents_at_context_full_context} agents, max "
+          f"{p.max_context_for_agents_full_context} tokens")
     if p.tokens_per_image:
         tower = (f"; vision tower {_gb(p.vision_tower_bytes)}, whole on "
                  "every chip" if p.vision_tower_bytes else "")
@@ -532,7 +541,13 @@ def main(argv=None) -> int:
     p.add_argument("--assistant", metavar="DIR_OR_REPO",
                    help="a Gemma 4 assistant served with it "
                    "(--speculative-config): checked against the target, its "
-                   "weights counted with the target's")
+                   "weights counted with the target's; the KV cache then "
+                   "keeps the full context on every layer")
+    p.add_argument("--max-num-batched-tokens", type=_positive(int),
+                   default=plan.MAX_NUM_BATCHED_TOKENS,
+                   help="vLLM --max-num-batched-tokens (vllm serve's default "
+                   "on a v6e: 1024; v5e: 512): what vLLM reserves for a "
+                   "sliding layer's window")
     p.add_argument("--json", action="store_true",
                    help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)

@@ -11,9 +11,16 @@ projections (heads, MLP width; K/V on head_dim when KV heads < TP) and both
 embeddings (vocabulary) across the chips, and keeps the rest (norms, layer
 scalars, the per-layer-input projections) whole on every chip; towers are
 counted whole on every chip (an upper bound).
-tpu-inference sizes sliding-window layers like full ones; the SWA-aware
-figure caps them at the window, which is what sliding-window-aware caching
-would buy.
+Under gemma_qat sliding layers keep only their window
+(`fixes/sliding_window.py`, #3220): two sliding layers share a page of a full
+layer's shape, vLLM groups those rows and the full layers into groups of one
+page size, and one pool of blocks serves every group. The figures are vLLM
+0.32's own: a block is `group size` pages; a request at context T holds
+cdiv(T, 16) blocks per full group and, per sliding group, what vLLM reserves
+at admission: cdiv(min(window - 1 + in-flight tokens, T), 16) + 1, where the
+in-flight tokens are 2 x --max-num-batched-tokens with async scheduling.
+With a speculative-decoding drafter gemma_qat keeps every layer at full
+context, as tpu-inference 0.32 does (the `*_full_context` figures).
 """
 from __future__ import annotations
 
@@ -27,6 +34,9 @@ from vllm_gemma_qat.geometry import Geometry
 # attention kernel refuses integer caches.
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 GIB = 1024**3
+BLOCK_SIZE = 16  # tokens per page: tpu-inference's default --block-size
+# vllm serve's --max-num-batched-tokens on a v6e (v5e: 512).
+MAX_NUM_BATCHED_TOKENS = 1024
 SPLIT_UNDER_TP = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                   "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
                   "mlp.down_proj", "embed_tokens", "embed_tokens_per_layer")
@@ -34,6 +44,59 @@ SPLIT_UNDER_TP = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
 
 def _align(x: int, to: int) -> int:
     return -(-x // to) * to
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the KV pool is cut, per chip: blocks of `block_bytes`, one pool
+    for every group; a request holds blocks of each group."""
+    block_bytes: int
+    full_groups: int
+    sliding_groups: int = 0
+    window: int = 0
+    sliding_window: bool = False
+
+    def blocks_per_agent(self, context: int, in_flight: int) -> int:
+        full = self.full_groups * _cdiv(context, BLOCK_SIZE)
+        if not self.sliding_groups:
+            return full
+        held = min(self.window - 1 + in_flight, context)
+        return full + self.sliding_groups * (_cdiv(held, BLOCK_SIZE) + 1)
+
+
+def full_context_layout(geo: Geometry, kv_dtype: str, tp: int) -> Layout:
+    """tpu-inference 0.32: every KV-owning layer holds every token."""
+    own = [i for i in range(geo.num_layers) if i not in geo.kv_share_map]
+    return Layout(BLOCK_SIZE * sum(kv_bytes_per_layer_token(
+        geo, i, kv_dtype, tp) for i in own), full_groups=1)
+
+
+def sliding_window_layout(geo: Geometry, kv_dtype: str,
+                          tp: int) -> Layout | None:
+    """gemma_qat's layout (fixes/sliding_window.py), or None where the
+    sliding layers do not pack into the full layers' pages."""
+    own = [i for i in range(geo.num_layers) if i not in geo.kv_share_map]
+    sliding = [i for i in own if not geo.is_full(i)]
+    full = [i for i in own if geo.is_full(i)]
+    window = geo.text.get("sliding_window")
+    if not (sliding and full and window):
+        return None
+    s_dim, f_dim = (_align(geo.head_dim(i[0]), 128) for i in (sliding, full))
+    if geo.kv_heads(sliding[0]) != geo.kv_heads(full[0]) or f_dim % s_dim:
+        return None
+    rows = _cdiv(len(sliding), f_dim // s_dim)
+    # vLLM's grouping of layers with one page size: groups of the smaller
+    # count, or of the larger when it is under 1.5x the smaller.
+    small, large = sorted((rows, len(full)))
+    size = large if large < 1.5 * small else small
+    page = BLOCK_SIZE * kv_bytes_per_layer_token(geo, full[0], kv_dtype, tp)
+    return Layout(size * page, full_groups=_cdiv(len(full), size),
+                  sliding_groups=_cdiv(rows, size), window=window,
+                  sliding_window=True)
 
 
 def kv_bytes_per_layer_token(geo: Geometry, layer: int, kv_dtype: str,
@@ -110,21 +173,28 @@ class Plan:
     tp: int
     weight_bytes: int  # in all
     weight_bytes_per_chip: int
-    kv_bytes_per_token: int
-    kv_bytes_per_token_swa_full_layers: int
-    kv_bytes_per_agent_swa: int
+    kv_bytes_per_token: int  # every KV-owning layer, full context
     agents: int
     context: int
+    # What gemma_qat serves (sliding-window KV unless a drafter or the
+    # geometry rules it out): vLLM's pool of blocks and what a request at
+    # `context` holds of it.
+    kv_sliding_window: bool
+    kv_block_bytes: int
+    kv_pool_blocks: int
+    kv_blocks_per_agent: int
     kv_total_bytes: int
-    kv_total_bytes_swa: int
     budget_bytes: int  # per chip; KV figures are per chip too
-    kv_cache_tokens: int  # what vLLM logs as "TPU KV cache size" (to a page)
+    # what vLLM logs as "TPU KV cache size" with --max-model-len = context
+    kv_cache_tokens: int
     fits: bool
-    fits_swa: bool
     max_agents_at_context: int
-    max_agents_at_context_swa: int
     max_context_for_agents: int
-    max_context_for_agents_swa: int
+    # tpu-inference 0.32 as it is (every layer at full context)
+    kv_total_bytes_full_context: int
+    fits_full_context: bool
+    max_agents_at_context_full_context: int
+    max_context_for_agents_full_context: int
     context_limit: int | None  # the model's max_position_embeddings
     vision_tower_bytes: int  # whole on every chip
     tokens_per_image: int | None  # KV positions, boi / eoi included
@@ -141,57 +211,61 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
               utilization: float = 0.92, form: str = "bf16",
               tp: int = 1, tokens_per_image: int | None = None,
               images_per_agent: int = 0,
-              dtype_bytes: int | None = None) -> Plan:
+              dtype_bytes: int | None = None,
+              max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+              async_scheduling: bool = True,
+              drafter: bool = False) -> Plan:
     """`utilization`: vLLM's --gpu-memory-utilization (its default 0.92);
     the budget is tpu-inference's: HBM x utilization - what the chip holds
-    (the weights)."""
+    (the weights). `drafter`: served with speculative decoding (full-context
+    KV)."""
     own = [i for i in range(geo.num_layers) if i not in geo.kv_share_map]
-    per_layer = {i: kv_bytes_per_layer_token(geo, i, kv_dtype, tp)
-                 for i in own}
-    per_token = sum(per_layer.values())
-    window = geo.text.get("sliding_window") or 0
-    sliding = [i for i in own if geo.layer_types[i] == "sliding_attention"]
-    full_per_token = per_token - sum(per_layer[i] for i in sliding)
-    sliding_per_token = per_token - full_per_token
-
-    def swa_agent(t: int) -> int:
-        return t * full_per_token + min(t, window) * sliding_per_token
-
+    per_token = sum(kv_bytes_per_layer_token(geo, i, kv_dtype, tp)
+                    for i in own)
+    layout = None if drafter else sliding_window_layout(geo, kv_dtype, tp)
+    layout = layout or full_context_layout(geo, kv_dtype, tp)
+    in_flight = (2 if async_scheduling else 1) * max_num_batched_tokens
     limit = geo.text.get("max_position_embeddings")
 
     def within_limit(tokens: int) -> int:
         return min(tokens, limit) if limit else tokens
 
+    def blocks(t: int) -> int:
+        return layout.blocks_per_agent(t, in_flight)
+
     in_range = not limit or context <= limit
     total, per_chip = weights.per_chip(geo, form, tp, dtype_bytes)
     budget = max(0, int(int(hbm_gib * GIB) * utilization - per_chip))
-    max_ctx_swa = 0
-    if agents:
-        cap = budget // agents
-        if cap < swa_agent(window):  # below the window every layer grows
-            max_ctx_swa = cap // per_token
-        else:
-            max_ctx_swa = (cap - window * sliding_per_token) // full_per_token
+    pool = budget // layout.block_bytes
+    longest = 0  # the longest context `agents` requests fit at once
+    if agents and agents * blocks(1) <= pool:
+        lo, hi = 1, within_limit(pool * BLOCK_SIZE)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if agents * blocks(mid) <= pool else (lo, mid - 1)
+        longest = lo
     return Plan(
         tp=tp,
         weight_bytes=total,
         weight_bytes_per_chip=per_chip,
         kv_bytes_per_token=per_token,
-        kv_bytes_per_token_swa_full_layers=full_per_token,
-        kv_bytes_per_agent_swa=swa_agent(context),
         agents=agents,
         context=context,
-        kv_total_bytes=agents * context * per_token,
-        kv_total_bytes_swa=agents * swa_agent(context),
+        kv_sliding_window=layout.sliding_window,
+        kv_block_bytes=layout.block_bytes,
+        kv_pool_blocks=pool,
+        kv_blocks_per_agent=blocks(context),
+        kv_total_bytes=agents * blocks(context) * layout.block_bytes,
         budget_bytes=budget,
-        kv_cache_tokens=budget // per_token,
-        fits=in_range and agents * context * per_token <= budget,
-        fits_swa=in_range and agents * swa_agent(context) <= budget,
-        max_agents_at_context=budget // (context * per_token) if context else 0,
-        max_agents_at_context_swa=budget // swa_agent(context) if context else 0,
-        max_context_for_agents=within_limit(budget // (agents * per_token))
-        if agents else 0,
-        max_context_for_agents_swa=within_limit(max_ctx_swa),
+        kv_cache_tokens=int(pool / blocks(context) * context),
+        fits=in_range and agents * blocks(context) <= pool,
+        max_agents_at_context=pool // blocks(context),
+        max_context_for_agents=longest,
+        kv_total_bytes_full_context=agents * context * per_token,
+        fits_full_context=in_range and agents * context * per_token <= budget,
+        max_agents_at_context_full_context=budget // (context * per_token),
+        max_context_for_agents_full_context=within_limit(
+            budget // (agents * per_token)) if agents else 0,
         context_limit=limit,
         vision_tower_bytes=weights.vision_bytes,
         tokens_per_image=tokens_per_image,

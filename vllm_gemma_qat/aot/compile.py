@@ -226,7 +226,9 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                 geo, plan_weights, agents=max_num_seqs,
                 context=max_model_len, kv_dtype=kv_dtype,
                 hbm_gib=topo.hbm_gib, utilization=utilization, form=weights,
-                tp=tp, dtype_bytes=served.itemsize)
+                tp=tp, dtype_bytes=served.itemsize,
+                max_num_batched_tokens=vllm_config.scheduler_config.
+                max_num_batched_tokens)
             p_lm = planlib.make_plan(
                 geo, planlib.Weights(plan_weights.tensors),
                 agents=max_num_seqs, context=max_model_len,
@@ -332,6 +334,55 @@ def _int4_layout(model, mesh) -> None:
         module.weight_scale = nnx.Param(scale)
 
 
+def _kv_cache_groups(vllm_config, text, share, tp, sliding_window):
+    """vLLM's KV cache groups (layer names) for the specs gemma_qat
+    declares, by vLLM's own grouping, and the layers that read another
+    layer's cache (the rest of a row, the KV-shared layers) -> that layer."""
+    import torch
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from tpu_inference.utils import (get_layer_kv_params, get_padded_head_dim,
+                                     get_padded_num_heads)
+
+    from vllm_gemma_qat.fixes.sliding_window import row_layout
+    rows = row_layout(text) if sliding_window else None
+    if rows is None:  # one group of every KV-owning layer
+        own = [f"layer.{i}" for i in range(text.num_hidden_layers)
+               if i not in share]
+        return [own], {f"layer.{i}": f"layer.{s}" for i, s in share.items()}
+    full_head = get_padded_head_dim(
+        get_layer_kv_params(text, "full_attention")[0])
+    owner_of = {i: rows.place.get(i, (i, 0))[0]
+                for i in range(text.num_hidden_layers)}
+    redirects = {f"layer.{i}": f"layer.{owner_of[share.get(i, i)]}"
+                 for i in range(text.num_hidden_layers)
+                 if owner_of[share.get(i, i)] != i}
+    specs = {}
+    for i, layer_type in enumerate(text.layer_types):
+        if f"layer.{i}" in redirects:
+            continue
+        head_dim, kv_heads = get_layer_kv_params(text, layer_type)
+        # The grouping reads page sizes only: the dtype is the same for all.
+        spec = dict(block_size=vllm_config.cache_config.block_size,
+                    num_kv_heads=get_padded_num_heads(kv_heads, tp),
+                    head_size=get_padded_head_dim(head_dim),
+                    dtype=torch.bfloat16)
+        specs[f"layer.{i}"] = FullAttentionSpec(**spec) if i not in \
+            rows.place else SlidingWindowSpec(
+                **spec | {"head_size": full_head},
+                sliding_window=text.sliding_window)
+    # The layout the engine core resolves from the workers' backends.
+    from vllm.distributed.kv_transfer.kv_connector.utils import \
+        get_current_attn_backends
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts, resolve_kv_cache_layout)
+    supported = [layout.name for layout in get_supported_kv_cache_layouts(
+        get_current_attn_backends(vllm_config))]
+    resolve_kv_cache_layout(vllm_config, [supported], list(specs.values()))
+    groups = get_kv_cache_groups(vllm_config, specs)
+    return [list(g.layer_names) for g in groups], redirects
+
+
 def _nbytes_per_chip(x) -> int:
     import numpy as np
     shape = x.sharding.shard_shape(x.shape) if x.sharding else x.shape
@@ -352,8 +403,8 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
     from vllm_gemma_qat import substitute
     from tpu_inference import envs
     from tpu_inference.distributed import jax_parallel_state
-    from tpu_inference.layers.common.attention_metadata import \
-        AttentionMetadata
+    from tpu_inference.layers.common.attention_metadata import (
+        AttentionMetadata, GroupedAttentionMetadata)
     from tpu_inference.layers.common.sharding import (MESH_AXIS_NAMES_2D,
                                                       ShardingAxisName)
     from tpu_inference.models.common import model_loader
@@ -398,34 +449,53 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
             raise AotError(f"tpu-inference did not build {target} for these "
                            f"flags: {type(e).__name__}: {e}") from e
 
-        # The KV cache tpu-inference allocates: every page of the budget
-        # (vLLM gives the KV cache all that is left), one array per layer
-        # that owns K/V, KV-shared layers on their source's array.
+        # The KV cache tpu-inference allocates: every block of the budget
+        # (vLLM gives the KV cache all that is left), in the layout
+        # gemma_qat declares (fixes/sliding_window.py).
         text = model_config.hf_config.text_config
         share = compute_kv_share_map(text)
-        own = [i for i in range(text.num_hidden_layers) if i not in share]
         cache_dtype = cache_config.cache_dtype
         cache_dtype = to_jax_dtype(model_config.dtype if cache_dtype == "auto"
                                    else cache_dtype)
-        need = -(-max_model_len // block_size)
-        report.num_blocks = num_blocks = p.kv_cache_tokens // block_size
+        need = p.kv_blocks_per_agent  # one request at --max-model-len
+        report.num_blocks = num_blocks = p.kv_pool_blocks
         if num_blocks < need:
             report.why_not.append(
-                f"KV cache: {p.kv_cache_tokens} tokens per chip after the "
-                f"weights ({p.budget_bytes / 1e9:.2f} GB budget), fewer "
-                f"than one request's --max-model-len {max_model_len} "
-                "(vLLM refuses to start)")
+                f"KV cache: {num_blocks} blocks per chip after the weights "
+                f"({p.budget_bytes / 1e9:.2f} GB budget), fewer than one "
+                f"request's --max-model-len {max_model_len} needs ({need}; "
+                "vLLM refuses to start)")
             num_blocks = need  # compile anyway, with one request's pages
-        kv_caches = []
-        for i in own:
-            head_dim, kv_heads = get_layer_kv_params(text, text.layer_types[i])
-            kv_caches += kv_cache_lib.create_kv_caches(
-                num_blocks, block_size, get_padded_num_heads(kv_heads, tp),
-                get_padded_head_dim(head_dim), mesh, [f"layer.{i}"],
-                cache_dtype)
-        index = {layer: n for n, layer in enumerate(own)}
-        layer_to_cache = tuple((f"layer.{i}", index[share.get(i, i)])
+        groups, redirects = _kv_cache_groups(vllm_config, text, share, tp,
+                                             p.kv_sliding_window)
+        kv_caches, index, made = [], {}, {}
+        for group in groups:
+            for j, layer in enumerate(group):
+                # Several groups: their j-th layers share array j (a block
+                # belongs to one group at a time); one group: an array per
+                # layer.
+                key = j if len(groups) > 1 else layer
+                if key not in made:
+                    i = int(layer.split(".")[1])
+                    head_dim, kv_heads = get_layer_kv_params(
+                        text, text.layer_types[i])
+                    if len(groups) > 1:  # every page at the full layers'
+                        head_dim, _ = get_layer_kv_params(text,
+                                                          "full_attention")
+                    made[key] = len(kv_caches)
+                    kv_caches += kv_cache_lib.create_kv_caches(
+                        num_blocks, block_size,
+                        get_padded_num_heads(kv_heads, tp),
+                        get_padded_head_dim(head_dim), mesh, [layer],
+                        cache_dtype)
+                index[layer] = made[key]
+        for layer, owner in redirects.items():
+            index[layer] = index[owner]
+        layer_to_cache = tuple((f"layer.{i}", index[f"layer.{i}"])
                                for i in range(text.num_hidden_layers))
+        group_names = tuple(
+            tuple(g) + tuple(n for n, o in redirects.items() if o in g)
+            for g in groups)
         report.weight_bytes = sum(_nbytes_per_chip(x)
                                   for x in model.state_leaves)
         lm = [x for path, x in jax.tree_util.tree_flatten_with_path(
@@ -438,8 +508,7 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
             report.lm_laid_out_bytes = holder.lower(*lm).compile() \
                 .memory_analysis().argument_size_in_bytes
         report.kv_bytes = sum(_nbytes_per_chip(c) for c in kv_caches)
-        report.plan_kv_bytes = report.num_blocks * block_size * \
-            p.kv_bytes_per_token
+        report.plan_kv_bytes = report.num_blocks * p.kv_block_bytes
 
         # The runner's buckets (tpu_runner._init_inputs).
         packing = get_dtype_packing(cache_dtype)
@@ -471,16 +540,22 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
         step = cells["_resolve_step_fn"](kv_caches, True)
         max_blocks = -(-max_model_len // block_size)
         bw = HBM_BYTES_PER_S.get(topo.tpu_version)
-        # Bytes of KV one token of context costs every layer's attention
-        # (shared layers read their source's cache), per chip.
-        kv_read_per_token = sum(
-            _nbytes_per_chip(kv_caches[index[share.get(i, i)]])
-            for i in range(text.num_hidden_layers)) // (num_blocks * block_size)
+        # Bytes of KV one token of context costs each layer's attention
+        # (shared layers read their source's cache; a sliding layer reads
+        # its whole row, at most window + a page of tokens), per chip.
+        window = getattr(text, "sliding_window", None) \
+            if p.kv_sliding_window else None
+        read_per_token = {True: 0, False: 0}  # by: reads the window only
+        for name, n in layer_to_cache:
+            i = int(name.split(".")[1])
+            read_per_token[bool(window) and text.layer_types[i] ==
+                           "sliding_attention"] += _nbytes_per_chip(
+                kv_caches[n]) // (num_blocks * block_size)
         for num_tokens in paddings:
             for num_reqs in attn_reqs:
                 ids = sds((num_tokens, ), jnp.int32, batch)
                 positions = sds((num_tokens, ), jnp.int32, data)
-                md = AttentionMetadata(
+                per_group = [AttentionMetadata(
                     input_positions=positions,
                     block_tables=sds((max_num_reqs * max_blocks, ), jnp.int32,
                                      batch),
@@ -489,9 +564,11 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                                         batch),
                     request_distribution=sds((3, ), jnp.int32, batch),
                     mamba_state_indices=None, padded_num_reqs=num_reqs,
-                    pcp=None)
-                inputs = [ids, positions, md.block_tables, md.seq_lens,
-                          md.query_start_loc, md.request_distribution]
+                    pcp=None) for _ in groups]
+                # As the runner passes them: one metadata, or one per group.
+                md = per_group[0] if len(groups) == 1 else \
+                    GroupedAttentionMetadata(per_group, group_names)
+                inputs = [ids, *jax.tree_util.tree_leaves(md)]
                 prog = Program("step", {"num_tokens": num_tokens,
                                         "num_reqs": num_reqs})
                 _compile(prog, lambda: step.lower(
@@ -506,7 +583,10 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                     # Context every request of the bucket could hold.
                     ctx = min(num_reqs * max_model_len,
                               num_blocks * block_size)
-                    prog.kv_read_bytes = ctx * kv_read_per_token
+                    in_window = num_reqs * min(max_model_len,
+                                               (window or 0) + block_size)
+                    prog.kv_read_bytes = (ctx * read_per_token[False]
+                                          + in_window * read_per_token[True])
                     if bw:
                         prog.est_seconds = (prog.optimal_seconds
                                             + prog.concat_bitcasts

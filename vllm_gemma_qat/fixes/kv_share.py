@@ -41,6 +41,11 @@ _building_for_gemma_qat = contextvars.ContextVar("building_for_gemma_qat",
                                                  default=False)
 
 
+def building_for_gemma_qat() -> bool:
+    """Whether a Gemma 4 JAX model is being built for gemma_qat now."""
+    return _building_for_gemma_qat.get()
+
+
 def install() -> None:
     """Patch the Gemma 4 JAX module now if it is imported, else right after
     its import (importing it eagerly would cost every vLLM process ~8 s)."""

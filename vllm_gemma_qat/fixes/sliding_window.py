@@ -1,0 +1,309 @@
+"""Sliding-window-aware KV cache for Gemma 4 (tpu-inference #3220), under
+--load-format gemma_qat only. Upstream patch: patches/0008-*.
+
+tpu-inference 0.32 gives every Gemma 4 layer a full-context cache
+(`KVCacheManager.get_kv_cache_spec` sets `sliding_window = None`): sliding
+layers (window 512) hold every token of the context. vLLM frees a sliding
+layer's blocks out of the window only for `SlidingWindowSpec` layers, and it
+needs every group's page to be the same size; tpu-inference shares a cache
+array only between layers of one shape. Gemma 4's sliding layers have half
+the full layers' head dim (256 vs 512) and the same KV heads, so here two
+sliding layers share one row of a full layer's shape: each cache row is
+`[K/V of sliding layer a | K/V of sliding layer b]`.
+
+- Specs: one `SlidingWindowSpec` per row (the full layers' page), the row's
+  other layer and the KV-shared layers redirected to the row's owner. vLLM
+  then groups rows and full layers at one page size and frees out-of-window
+  blocks; per token the rows cost exactly what the sliding layers hold.
+- Arrays: the groups' layers at one position share one array (vLLM lays out
+  each group from byte 0; tpu-inference 0.32 gives a group of one layer its
+  own array, which would allocate the budget once per group).
+- Attention metadata: the redirected layers join their owner's group
+  (`GroupedAttentionMetadata` keys), as vLLM's GPU runner adds KV-shared
+  layers to their target's group.
+- Attention: a sliding layer's q is zero-padded to the row and placed in its
+  half, so its scores see only its half; its output is that half. The row's
+  last layer writes the whole row, with the earlier layer's K/V of this step
+  (kept while the model is traced), so every half ends up holding its own
+  layer's K/V. Attention reads the whole row within the window (the cost:
+  2x the sliding layers' bytes read per step, at most `window` tokens).
+
+Off, as before, with a speculative-decoding drafter (the Gemma 4 assistant
+reads the target's cache with one block table) and for geometries whose
+head dims do not pack (sliding head dim not a divisor of the full one, or
+different KV heads).
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+from dataclasses import dataclass
+
+from vllm.logger import init_logger
+
+from vllm_gemma_qat import substitute
+from vllm_gemma_qat.fixes.kv_share import building_for_gemma_qat
+from vllm_gemma_qat.gate import LOAD_FORMAT, is_gemma_qat
+from vllm_gemma_qat.substitute import Substitution
+
+KV_CACHE_MODULE = "tpu_inference.runner.kv_cache_manager"
+MODEL_MODULE = "tpu_inference.models.jax.gemma4"
+LABEL = f"vllm-gemma-qat (--load-format {LOAD_FORMAT} only, sliding-window KV)"
+
+# Under the "vllm" logger so the lines show in vLLM's own log output.
+logger = init_logger(f"vllm.{__name__}")
+
+# The layer whose attention is being traced: (row owner, slot, slots per row).
+_place = contextvars.ContextVar("gemma_qat_kv_row_place", default=None)
+# K/V written to each row so far in the model call being traced.
+_row_kv = contextvars.ContextVar("gemma_qat_kv_row_kv", default=None)
+
+
+def install() -> None:
+    substitute.apply_on_import(KV_CACHE_MODULE, cache_substitutions, LABEL)
+    substitute.apply_on_import(MODEL_MODULE, model_substitutions, LABEL)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Which cache row each KV-owning sliding layer writes, and where."""
+    slots_per_row: int
+    place: dict  # sliding owner layer -> (row owner layer, slot)
+
+    def source_place(self, share_map: dict, layer: int):
+        """(row owner, slot) a layer's attention uses, or None (full)."""
+        return self.place.get(share_map.get(layer, layer))
+
+
+def row_layout(text_config) -> RowLayout | None:
+    """Sliding layers packed into rows of the full layers' padded head dim,
+    in layer order; None when the geometry does not pack."""
+    from tpu_inference import utils
+    from tpu_inference.models.common.kv_share import compute_kv_share_map
+    types = list(getattr(text_config, "layer_types", None) or ())
+    window = getattr(text_config, "sliding_window", None)
+    if not types or not window:
+        return None
+    dims = {t: utils.get_layer_kv_params(text_config, t)
+            for t in ("sliding_attention", "full_attention")}
+    sliding_dim, sliding_heads = dims["sliding_attention"]
+    full_dim, full_heads = dims["full_attention"]
+    if not (sliding_dim and full_dim):
+        return None
+    sliding_dim = utils.get_padded_head_dim(sliding_dim)
+    full_dim = utils.get_padded_head_dim(full_dim)
+    if (sliding_heads or full_heads) != (full_heads or sliding_heads) \
+            or full_dim % sliding_dim:
+        return None
+    slots = full_dim // sliding_dim
+    shared = compute_kv_share_map(text_config)
+    owners = [i for i, t in enumerate(types)
+              if t == "sliding_attention" and i not in shared]
+    place = {layer: (owners[n - n % slots], n % slots)
+             for n, layer in enumerate(owners)}
+    return RowLayout(slots, place)
+
+
+# ---------------------------------------------------------------- cache side
+
+def cache_substitutions() -> list[Substitution]:
+    return [
+        Substitution(
+            f"{KV_CACHE_MODULE}:KVCacheManager.get_kv_cache_spec",
+            _row_specs, "#3220: a SlidingWindowSpec per row of sliding "
+            "layers at the full layers' page; the rest of the row and the "
+            "KV-shared layers redirected to the row's owner", wraps=True),
+        Substitution(
+            f"{KV_CACHE_MODULE}:KVCacheManager.initialize_kv_cache",
+            _shared_arrays_and_groups, "#3220: the groups' layers at one "
+            "position share one array; redirected layers join their "
+            "owner's group", wraps=True),
+    ]
+
+
+def _active_layout(manager) -> RowLayout | None:
+    runner = manager.runner
+    vllm_config = runner.vllm_config
+    if not is_gemma_qat(vllm_config) or manager.use_mla:
+        return None
+    if vllm_config.compilation_config.static_forward_context:
+        return None  # a torchax model: its Attention layers declare windows
+    text = getattr(runner.model_config, "hf_text_config", None)
+    if "gemma4" not in str(getattr(text, "model_type", "")):
+        return None
+    layout = row_layout(text)
+    if layout is None:
+        return None
+    if runner.speculative_config is not None:
+        logger.info("gemma_qat: sliding-window KV is off with a speculative "
+                    "drafter (it reads the target's cache through one block "
+                    "table): every layer keeps the full context")
+        return None
+    return layout
+
+
+def _row_specs(get_kv_cache_spec):
+
+    @functools.wraps(get_kv_cache_spec)
+    def wrapped(self):
+        specs = get_kv_cache_spec(self)
+        layout = _active_layout(self)
+        self.gemma_qat_rows = layout
+        if layout is None:
+            return specs
+        text = self.runner.model_config.hf_text_config
+        full = next(specs[f"layer.{i}"] for i, t in enumerate(text.layer_types)
+                    if t == "full_attention" and f"layer.{i}" in specs)
+        window = text.sliding_window
+        for layer, (owner, slot) in layout.place.items():
+            name = f"layer.{layer}"
+            if slot == 0:
+                specs[name] = self._create_attention_spec(
+                    full.block_size, full.num_kv_heads, full.head_size,
+                    sliding_window=window)
+            else:
+                del specs[name]
+                self.shared_kv_cache_layers[name] = f"layer.{owner}"
+        for name, source in list(self.shared_kv_cache_layers.items()):
+            owner, _ = layout.place.get(int(source.split(".")[1]),
+                                        (None, None))
+            if owner is not None:
+                self.shared_kv_cache_layers[name] = f"layer.{owner}"
+        rows = sum(1 for _, slot in layout.place.values() if slot == 0)
+        logger.info(
+            "gemma_qat: sliding-window KV (#3220): %d sliding layers in %d "
+            "rows of %d, window %d; full layers keep the context",
+            len(layout.place), rows, layout.slots_per_row, window)
+        return specs
+
+    return wrapped
+
+
+def _shared_arrays_and_groups(initialize_kv_cache):
+
+    @functools.wraps(initialize_kv_cache)
+    def wrapped(self, kv_cache_config):
+        if getattr(self, "gemma_qat_rows", None) is None \
+                or len(kv_cache_config.kv_cache_groups) < 2:
+            return initialize_kv_cache(self, kv_cache_config)
+        from vllm.v1.kv_cache_interface import KVCacheTensor
+        groups = kv_cache_config.kv_cache_groups
+        pages = {g.kv_cache_spec.page_size_bytes for g in groups}
+        assert len(pages) == 1, pages  # every spec was declared at one page
+        page = pages.pop()
+        width = max(len(g.layer_names) for g in groups)
+        # One tensor per position, listing the layer of each group there,
+        # aliased (layer_stride 0): a block id belongs to one group at a
+        # time, so they share one array.
+        kv_cache_config.kv_cache_tensors = [
+            KVCacheTensor(size=page * kv_cache_config.num_blocks, layers=[
+                g.layer_names[j] for g in groups if j < len(g.layer_names)],
+                layer_stride=0, block_stride=page)
+            for j in range(width)]
+        initialize_kv_cache(self, kv_cache_config)
+        group_of = {name: g for g in groups for name in g.layer_names}
+        for name, owner in self.shared_kv_cache_layers.items():
+            if name not in group_of and owner in group_of:
+                group_of[owner].layer_names.append(name)
+
+    return wrapped
+
+
+# ---------------------------------------------------------------- model side
+
+def model_substitutions() -> list[Substitution]:
+    return [
+        Substitution(f"{MODEL_MODULE}:Gemma4Attention.__init__",
+                     _knowing_its_row, "#3220: a sliding layer knows its "
+                     "row and slot in a packed cache", wraps=True),
+        Substitution(f"{MODEL_MODULE}:Gemma4Attention.__call__",
+                     _in_its_place, "#3220: the layer's place is known "
+                     "while its attention is traced", wraps=True),
+        Substitution(f"{MODEL_MODULE}:Gemma4Model.__call__",
+                     _with_row_kv, "#3220: each model call keeps the K/V "
+                     "it writes to a row until the row's last layer",
+                     wraps=True),
+        Substitution(f"{MODEL_MODULE}:attention", _row_attention,
+                     "#3220: a sliding layer attends in its slot of a "
+                     "packed row", wraps=True),
+    ]
+
+
+def _knowing_its_row(init):
+
+    @functools.wraps(init)
+    def __init__(self, config, layer_idx, *args, **kwargs):
+        init(self, config, layer_idx, *args, **kwargs)
+        from tpu_inference.models.common.kv_share import compute_kv_share_map
+        layout = (row_layout(config)
+                  if self.is_sliding and building_for_gemma_qat() else None)
+        place = layout and layout.source_place(compute_kv_share_map(config),
+                                               layer_idx)
+        self.gemma_qat_row_place = (
+            None if place is None else (*place, layout.slots_per_row))
+
+    return __init__
+
+
+def _in_its_place(call):
+
+    @functools.wraps(call)
+    def __call__(self, *args, **kwargs):
+        token = _place.set(getattr(self, "gemma_qat_row_place", None))
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            _place.reset(token)
+
+    return __call__
+
+
+def _with_row_kv(call):
+
+    @functools.wraps(call)
+    def __call__(self, *args, **kwargs):
+        token = _row_kv.set({})
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            _row_kv.reset(token)
+
+    return __call__
+
+
+def _row_attention(attention):
+
+    @functools.wraps(attention)
+    def wrapped(kv_cache, q, k, v, *args, update_kv_cache=True, **kwargs):
+        place = _place.get()
+        if place is None or kv_cache is None \
+                or kv_cache.shape[-1] == q.shape[-1]:
+            return attention(kv_cache, q, k, v, *args,
+                             update_kv_cache=update_kv_cache, **kwargs)
+        import jax.numpy as jnp
+        owner, slot, slots = place
+        dim = q.shape[-1]
+        assert kv_cache.shape[-1] == slots * dim, (kv_cache.shape, q.shape)
+
+        def in_slot(x, before=()):
+            after = jnp.zeros((*x.shape[:-1], (slots - slot - 1) * dim),
+                              x.dtype)
+            if not before:
+                before = [jnp.zeros((*x.shape[:-1], slot * dim), x.dtype)]
+            return jnp.concatenate([*before, x, after], axis=-1)
+
+        if update_kv_cache:
+            # This layer's K/V after the earlier layers' of the row: the
+            # row's last layer writes every slot.
+            written = _row_kv.get().setdefault(owner, [])
+            assert len(written) == slot, (owner, slot, len(written))
+            k_row = in_slot(k, [kk for kk, _ in written])
+            v_row = in_slot(v, [vv for _, vv in written])
+            written.append((k, v))
+        else:  # KV-shared: the kernel reads the cache only
+            k_row, v_row = in_slot(k), in_slot(v)
+        new_cache, out = attention(kv_cache, in_slot(q), k_row, v_row, *args,
+                                   update_kv_cache=update_kv_cache, **kwargs)
+        return new_cache, out[..., slot * dim:(slot + 1) * dim]
+
+    return wrapped
