@@ -1,7 +1,8 @@
 """`vllm-gemma-qat compile`: tiny E2B-like (1 KV head, multimodal) and
 E4B-like (2 KV heads) Gemma 4 checkpoints, built by tpu-inference as `vllm
 serve --load-format gemma_qat` would and compiled by libtpu for v6e-1 and
-v6e-4 (TP=4), bf16 and the w4a16 export, on this CPU-only machine.
+v6e-4 (TP=4), bf16 and the w4a16 export, on this CPU-only machine; and at
+TP=8 over two hosts of a v6e-16.
 
 Four compiles cover every model x topology and topology x weights pair (all
 eight would double the time); one token bucket each (the runner's buckets
@@ -115,14 +116,25 @@ def test_what_does_not_fit_says_so(checkpoints, capfd):
     assert "compiled" in out  # compiled anyway, with one request's pages
 
 
+def test_a_multi_host_slice_compiles_tp_across_hosts(checkpoints):
+    # v6e-16: 16 chips, 4 per host; TP=8 lays the model over two hosts.
+    from vllm_gemma_qat.aot.compile import compile_model
+    report = compile_model(str(checkpoints["e4b", "bf16"]), "v6e-16", tp=8,
+                           sampling=False, logits=False, **FLAGS)
+    assert report.hosts == 2
+    assert [(p.label, p.ok) for p in report.programs] == [
+        ("step(num_tokens=16, num_reqs=8)", True)]
+    assert report.fits and not report.disagreements
+
+
 def test_unknown_topology_is_one_clear_error(checkpoints, capfd):
     rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
                    "v6e-3"])
     err = capfd.readouterr().err
     assert rc == 2
     assert err.strip().splitlines()[-1] == (
-        "error: unknown topology 'v6e-3'; known (single-host slices): "
-        "v5e-1, v5e-4, v5e-8, v6e-1, v6e-4, v6e-8")
+        "error: unknown topology 'v6e-3'; known: v5e-1, v5e-4, v5e-8, "
+        "v5e-16, v6e-1, v6e-4, v6e-8, v6e-16, v6e-32")
     rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
                    "v6e-3", "--json"])
     assert rc == 2

@@ -119,14 +119,15 @@ def test_plan_e2b_reproduces_18_kib_per_token_and_1_21_gb(tmp_path):
     assert p["kv_total_bytes_full_context"] == 8 * 8192 * 18 * 1024
     assert round(p["kv_total_bytes_full_context"] / 1e9, 2) == 1.21
     # gemma_qat (#3220): the 12 sliding layers in 6 rows of a full layer's
-    # page (16 tokens x K and V x 512 x 2 bytes), grouped with the 3 full
-    # layers in 3 groups of 3 pages; a request at 8192 tokens holds 512
-    # blocks of the full group and, per row group, what vLLM reserves for
-    # the 512-token window with 2 x 1024 tokens in flight.
-    assert p["kv_sliding_window"]
-    assert p["kv_block_bytes"] == 3 * 16 * 2 * 512 * 2
-    assert p["kv_blocks_per_agent"] == 512 + 2 * (-(-(511 + 2048) // 16) + 1)
-    assert p["kv_total_bytes"] == 8 * 834 * 3 * 16 * 2 * 512 * 2
+    # page (tpu-inference's 256 tokens at --max-model-len 8192 x K and V x
+    # 512 x 2 bytes), grouped with the 3 full layers in 3 groups of 3
+    # pages; a request at 8192 tokens holds 32 blocks of the full group
+    # and, per row group, what vLLM reserves for the 512-token window with
+    # 2 x 1024 tokens in flight.
+    assert p["kv_sliding_window"] and p["kv_block_size"] == 256
+    assert p["kv_block_bytes"] == 3 * 256 * 2 * 512 * 2
+    assert p["kv_blocks_per_agent"] == 32 + 2 * (-(-(511 + 2048) // 256) + 1)
+    assert p["kv_total_bytes"] == 8 * 54 * 3 * 256 * 2 * 512 * 2
     assert p["max_agents_at_context"] > \
         1.5 * p["max_agents_at_context_full_context"]
 

@@ -50,8 +50,8 @@ def test_full_size_rows_and_plan_agree(geometry, rows, tmp_path):
     # of full layers and the rows in groups of that size (vLLM's rule).
     full = sum(geo.is_full(i) for i in range(geo.num_layers)
                if i not in geo.kv_share_map)
-    p = plan.sliding_window_layout(geo, "bf16", 1)
-    size = p.block_bytes // (plan.BLOCK_SIZE * plan.kv_bytes_per_layer_token(
+    p = plan.sliding_window_layout(geo, "bf16", 1, 16)
+    size = p.block_bytes // (16 * plan.kv_bytes_per_layer_token(
         geo, next(i for i in range(geo.num_layers) if geo.is_full(i)),
         "bf16"))
     assert (p.full_groups, p.sliding_groups) == (-(-full // size),
@@ -64,6 +64,6 @@ def test_geometries_that_do_not_pack_keep_the_full_context():
     odd = dict(text, head_dim=384, global_head_dim=512)
     assert row_layout(_Attrs(odd)) is None
     assert plan.sliding_window_layout(Geometry.from_text_config(odd),
-                                      "bf16", 1) is None
+                                      "bf16", 1, 16) is None
     # No sliding window at all.
     assert row_layout(_Attrs(dict(text, sliding_window=None))) is None

@@ -292,6 +292,8 @@ def cmd_plan(args) -> int:
                        images_per_agent=args.images,
                        dtype_bytes=SERVED_DTYPE_BYTES[args.dtype],
                        max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_seqs=args.max_num_seqs,
+                       block_size=args.block_size,
                        drafter=bool(args.assistant))
     rest = "as stored" if args.dtype == "auto" else args.dtype
     dtypes = (f"int4 linears, the rest {rest}" if args.weights == "int4"
@@ -330,7 +332,8 @@ def cmd_plan(args) -> int:
               + (" (with a drafter)" if args.assistant else ""))
     print(f"budget        {_gb(p.budget_bytes)} for KV per chip "
           f"({args.hbm_gib:g} GiB x {args.utilization:g} - weights): "
-          f"{p.kv_pool_blocks} blocks of {p.kv_block_bytes / 1024:g} KiB; "
+          f"{p.kv_pool_blocks} blocks of {p.kv_block_size} tokens, "
+          f"{p.kv_block_bytes / 1024:g} KiB; "
           f"{layout}")
     print(f"              vLLM logs 'TPU KV cache size: {p.kv_cache_tokens} "
           f"tokens' with --max-model-len {args.context}")
@@ -456,7 +459,8 @@ def _size(n: int) -> str:
 
 
 def _print_compile(r) -> None:
-    print(f"{r.model} on {r.topology} (TP={r.tp}), {r.weights} weights, "
+    hosts = f" across {r.hosts} hosts" if r.hosts > 1 else ""
+    print(f"{r.model} on {r.topology} (TP={r.tp}{hosts}), {r.weights} weights, "
           f"{r.kv_dtype} KV, --max-model-len {r.max_model_len} "
           f"--max-num-seqs {r.max_num_seqs} --max-num-batched-tokens "
           f"{r.max_num_batched_tokens}; page {r.block_size} tokens, "
@@ -548,6 +552,13 @@ def main(argv=None) -> int:
                    help="vLLM --max-num-batched-tokens (vllm serve's default "
                    "on a v6e: 1024; v5e: 512): what vLLM reserves for a "
                    "sliding layer's window")
+    p.add_argument("--max-num-seqs", type=_positive(int),
+                   default=plan.MAX_NUM_SEQS,
+                   help="vLLM --max-num-seqs (default 256): with --context "
+                   "it sets tpu-inference's page size")
+    p.add_argument("--block-size", type=_positive(int),
+                   help="vLLM --block-size (default: the page size "
+                   "tpu-inference picks for --context as --max-model-len)")
     p.add_argument("--json", action="store_true",
                    help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)

@@ -34,9 +34,10 @@ from vllm_gemma_qat.geometry import Geometry
 # attention kernel refuses integer caches.
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 GIB = 1024**3
-BLOCK_SIZE = 16  # tokens per page: tpu-inference's default --block-size
-# vllm serve's --max-num-batched-tokens on a v6e (v5e: 512).
+# vllm serve's --max-num-batched-tokens on a v6e (v5e: 512) and
+# --max-num-seqs on a TPU.
 MAX_NUM_BATCHED_TOKENS = 1024
+MAX_NUM_SEQS = 256
 SPLIT_UNDER_TP = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                   "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
                   "mlp.down_proj", "embed_tokens", "embed_tokens_per_layer")
@@ -50,10 +51,25 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def tpu_page_size(max_model_len: int, max_num_seqs: int = MAX_NUM_SEQS) -> int:
+    """Tokens per KV page (vLLM's block) that tpu-inference 0.32 picks when
+    --block-size is not given: PallasAttentionBackend.get_page_size (a 16th
+    of --max-model-len, in [16, 256]; 16 past 8192 tokens), raised to its
+    get_min_page_size (the kernel's page-index budget per sequence)."""
+    def next_power_of_2(x: int) -> int:
+        return 1 << (x - 1).bit_length()
+    page = 16 if max_model_len > 8192 else min(
+        256, max(16, next_power_of_2(max_model_len) // 16))
+    pages_per_seq = 1024 * 1024 // 2 // max_num_seqs // 4
+    return max(page, next_power_of_2(_cdiv(max_model_len, pages_per_seq)))
+
+
 @dataclass(frozen=True)
 class Layout:
-    """How the KV pool is cut, per chip: blocks of `block_bytes`, one pool
-    for every group; a request holds blocks of each group."""
+    """How the KV pool is cut, per chip: blocks of `block_size` tokens and
+    `block_bytes`, one pool for every group; a request holds blocks of each
+    group."""
+    block_size: int
     block_bytes: int
     full_groups: int
     sliding_groups: int = 0
@@ -61,22 +77,23 @@ class Layout:
     sliding_window: bool = False
 
     def blocks_per_agent(self, context: int, in_flight: int) -> int:
-        full = self.full_groups * _cdiv(context, BLOCK_SIZE)
+        full = self.full_groups * _cdiv(context, self.block_size)
         if not self.sliding_groups:
             return full
         held = min(self.window - 1 + in_flight, context)
-        return full + self.sliding_groups * (_cdiv(held, BLOCK_SIZE) + 1)
+        return full + self.sliding_groups * (_cdiv(held, self.block_size) + 1)
 
 
-def full_context_layout(geo: Geometry, kv_dtype: str, tp: int) -> Layout:
+def full_context_layout(geo: Geometry, kv_dtype: str, tp: int,
+                        block_size: int) -> Layout:
     """tpu-inference 0.32: every KV-owning layer holds every token."""
     own = [i for i in range(geo.num_layers) if i not in geo.kv_share_map]
-    return Layout(BLOCK_SIZE * sum(kv_bytes_per_layer_token(
+    return Layout(block_size, block_size * sum(kv_bytes_per_layer_token(
         geo, i, kv_dtype, tp) for i in own), full_groups=1)
 
 
-def sliding_window_layout(geo: Geometry, kv_dtype: str,
-                          tp: int) -> Layout | None:
+def sliding_window_layout(geo: Geometry, kv_dtype: str, tp: int,
+                          block_size: int) -> Layout | None:
     """gemma_qat's layout (fixes/sliding_window.py), or None where the
     sliding layers do not pack into the full layers' pages."""
     own = [i for i in range(geo.num_layers) if i not in geo.kv_share_map]
@@ -93,8 +110,8 @@ def sliding_window_layout(geo: Geometry, kv_dtype: str,
     # count, or of the larger when it is under 1.5x the smaller.
     small, large = sorted((rows, len(full)))
     size = large if large < 1.5 * small else small
-    page = BLOCK_SIZE * kv_bytes_per_layer_token(geo, full[0], kv_dtype, tp)
-    return Layout(size * page, full_groups=_cdiv(len(full), size),
+    page = block_size * kv_bytes_per_layer_token(geo, full[0], kv_dtype, tp)
+    return Layout(block_size, size * page, full_groups=_cdiv(len(full), size),
                   sliding_groups=_cdiv(rows, size), window=window,
                   sliding_window=True)
 
@@ -180,6 +197,7 @@ class Plan:
     # geometry rules it out): vLLM's pool of blocks and what a request at
     # `context` holds of it.
     kv_sliding_window: bool
+    kv_block_size: int  # tokens per block (page)
     kv_block_bytes: int
     kv_pool_blocks: int
     kv_blocks_per_agent: int
@@ -213,6 +231,8 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
               images_per_agent: int = 0,
               dtype_bytes: int | None = None,
               max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+              max_num_seqs: int = MAX_NUM_SEQS,
+              block_size: int | None = None,
               async_scheduling: bool = True,
               drafter: bool = False) -> Plan:
     """`utilization`: vLLM's --gpu-memory-utilization (its default 0.92);
@@ -222,8 +242,11 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
     own = [i for i in range(geo.num_layers) if i not in geo.kv_share_map]
     per_token = sum(kv_bytes_per_layer_token(geo, i, kv_dtype, tp)
                     for i in own)
-    layout = None if drafter else sliding_window_layout(geo, kv_dtype, tp)
-    layout = layout or full_context_layout(geo, kv_dtype, tp)
+    # vLLM's --max-model-len taken as `context`.
+    block_size = block_size or tpu_page_size(context, max_num_seqs)
+    layout = None if drafter else sliding_window_layout(geo, kv_dtype, tp,
+                                                        block_size)
+    layout = layout or full_context_layout(geo, kv_dtype, tp, block_size)
     in_flight = (2 if async_scheduling else 1) * max_num_batched_tokens
     limit = geo.text.get("max_position_embeddings")
 
@@ -239,7 +262,7 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
     pool = budget // layout.block_bytes
     longest = 0  # the longest context `agents` requests fit at once
     if agents and agents * blocks(1) <= pool:
-        lo, hi = 1, within_limit(pool * BLOCK_SIZE)
+        lo, hi = 1, within_limit(pool * block_size)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if agents * blocks(mid) <= pool else (lo, mid - 1)
@@ -252,6 +275,7 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
         agents=agents,
         context=context,
         kv_sliding_window=layout.sliding_window,
+        kv_block_size=block_size,
         kv_block_bytes=layout.block_bytes,
         kv_pool_blocks=pool,
         kv_blocks_per_agent=blocks(context),

@@ -43,16 +43,26 @@ class Topology:
     hbm_gib: float  # per chip
     tpu_version: int  # RPA v3's notion (v5e: 5, v6e: 6)
 
+    @property
+    def hosts(self) -> int:
+        return self.chips // (self.bounds[0] * self.bounds[1] *
+                              self.bounds[2])
 
-# Single-host slices only: multi-host (v6e-16 and up) is a different
-# deployment (Ray) that this mode does not model.
+
+# Multi-host slices (v6e-16 and up: 4 chips per host) are described by
+# libtpu as one topology; `--tp N` shards over the first N chips, across
+# hosts when N exceeds one host's, as tpu-inference's multi-host path
+# (Ray) would lay one model over them. Nothing here can run them.
 TOPOLOGIES = {t.name: t for t in (
     Topology("v5e-1", "v5e:1x1", (1, 1, 1), 1, 16.0, 5),
     Topology("v5e-4", "v5e:2x2", (2, 2, 1), 4, 16.0, 5),
     Topology("v5e-8", "v5e:2x4", (2, 4, 1), 8, 16.0, 5),
+    Topology("v5e-16", "v5e:4x4", (2, 2, 1), 16, 16.0, 5),
     Topology("v6e-1", "v6e:1x1", (1, 1, 1), 1, 32.0, 6),
     Topology("v6e-4", "v6e:2x2", (2, 2, 1), 4, 32.0, 6),
     Topology("v6e-8", "v6e:2x4", (2, 4, 1), 8, 32.0, 6),
+    Topology("v6e-16", "v6e:4x4", (2, 2, 1), 16, 32.0, 6),
+    Topology("v6e-32", "v6e:4x8", (2, 2, 1), 32, 32.0, 6),
 )}
 
 
@@ -65,7 +75,7 @@ def topology(name: str) -> Topology:
         return TOPOLOGIES[name]
     except KeyError:
         raise AotError(
-            f"unknown topology {name!r}; known (single-host slices): "
+            f"unknown topology {name!r}; known: "
             f"{', '.join(TOPOLOGIES)}") from None
 
 

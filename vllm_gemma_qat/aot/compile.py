@@ -81,6 +81,7 @@ class Report:
     hbm_bytes: int  # per chip
     utilization: float
     programs: list = field(default_factory=list)
+    hosts: int = 1  # hosts the TP chips span
     # per chip
     weight_bytes: int = 0  # every parameter's shard (what HBM holds)
     lm_weight_bytes: int = 0  # the language model's part of it
@@ -228,7 +229,8 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                 hbm_gib=topo.hbm_gib, utilization=utilization, form=weights,
                 tp=tp, dtype_bytes=served.itemsize,
                 max_num_batched_tokens=vllm_config.scheduler_config.
-                max_num_batched_tokens)
+                max_num_batched_tokens,
+                block_size=vllm_config.cache_config.block_size)
             p_lm = planlib.make_plan(
                 geo, planlib.Weights(plan_weights.tensors),
                 agents=max_num_seqs, context=max_model_len,
@@ -418,8 +420,8 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
 
     jax_parallel_state.init_pp_distributed_environment(
         "127.0.0.1", 0, 1, None, need_pp=False)
-    mesh = make_optimized_mesh((1, tp), MESH_AXIS_NAMES_2D,
-                               devices=list(desc.devices)[:tp])
+    devices = list(desc.devices)[:tp]
+    mesh = make_optimized_mesh((1, tp), MESH_AXIS_NAMES_2D, devices=devices)
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     scheduler_config = vllm_config.scheduler_config
@@ -432,6 +434,7 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         block_size=block_size, num_blocks=0,
+        hosts=len({d.process_index for d in devices}),
         hbm_bytes=int(topo.hbm_gib * 2**30), utilization=utilization,
         plan_weight_bytes=p.weight_bytes_per_chip,
         plan_lm_weight_bytes=p_lm.weight_bytes_per_chip,
