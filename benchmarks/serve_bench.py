@@ -8,6 +8,10 @@
    (the context grows), each final answer followed by the next task; it
    reports how many turns ended in a parsed tool call and how many calls
    named a declared tool with arguments its schema accepts.
+With a speculative-decoding drafter on the server (`--speculative-config`,
+the Gemma 4 assistant), each sweep row and the agent workload also report
+from vLLM's counters the draft acceptance rate, accepted tokens per draft
+and tokens per verification step.
 Writes results.json, results.md (beside the reference numbers of
 ../shared/GEMMA4_FACTS.md) and plot.png.
 
@@ -63,6 +67,7 @@ def sweep(base_url, model, tokenizer, concurrency, input_len, output_len,
     add_cli_args(parser)
     rows = []
     for c in concurrency:
+        before = metric_totals(base_url)
         args = parser.parse_args([
             "--backend", "openai", "--base-url", base_url, "--model", model,
             "--tokenizer", tokenizer, "--dataset-name", "random",
@@ -75,7 +80,9 @@ def sweep(base_url, model, tokenizer, concurrency, input_len, output_len,
         rows.append({"concurrency": c, "output_tok_s": r["output_throughput"],
                      "per_stream_tok_s": r["output_throughput"] / c,
                      "median_ttft_ms": r["median_ttft_ms"],
-                     "median_tpot_ms": r["median_tpot_ms"]})
+                     "median_tpot_ms": r["median_tpot_ms"],
+                     "speculation": speculation(before,
+                                                metric_totals(base_url))})
         print(f"sweep c={c}: {rows[-1]}", flush=True)
     return rows
 
@@ -133,6 +140,26 @@ def run_tool(call: dict) -> tuple[bool, str | None]:
     if call["name"] == "add":
         return True, str(args["a"] + args["b"])
     return True, "sunny"
+
+
+def speculation(before: dict, after: dict) -> dict | None:
+    """Speculative decoding between two `metric_totals` readings (None
+    without a drafter): drafted and accepted tokens, the acceptance rate,
+    accepted tokens per draft, and tokens a request gains per verification
+    step (the accepted ones and the target's own)."""
+    def added(name):
+        name = f"vllm:spec_decode_num_{name}_total"
+        return after.get(name, 0) - before.get(name, 0)
+
+    drafts = added("drafts")
+    if not drafts:
+        return None
+    drafted, accepted = added("draft_tokens"), added("accepted_tokens")
+    return {"drafts": drafts, "draft_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted,
+            "accepted_per_draft": accepted / drafts,
+            "tokens_per_step": 1 + accepted / drafts}
 
 
 def agents(base_url, model, n_agents, turns, max_tokens) -> dict:
@@ -203,7 +230,8 @@ def agents(base_url, model, n_agents, turns, max_tokens) -> dict:
             "median_ttft_ms": 1000 * statistics.median(
                 r["ttft"] for r in responses),
             "median_tpot_ms": 1000 * statistics.median(tpots) if tpots else None,
-            "prefix_cache_hit_rate": hits / queries if queries else None}
+            "prefix_cache_hit_rate": hits / queries if queries else None,
+            "speculation": speculation(before, after)}
 
 
 def served_kv_cache_dtype(base_url) -> str:
@@ -242,6 +270,16 @@ def write_markdown(out: Path, sweep_rows, agent_row, label,
               f"{a['prefix_cache_hit_rate'] or 0:.2f} | "
               f"{a['tool_call_turn_rate']:.2f} | "
               f"{'-' if valid is None else f'{valid:.2f}'} |"]
+    spec = [(f"c={r['concurrency']}", r["speculation"]) for r in sweep_rows]
+    spec = [(name, x) for name, x in spec + [("agents", a["speculation"])]
+            if x]
+    if spec:
+        lines += ["", "Speculative decoding (vLLM's counters):", "",
+                  "| run | acceptance rate | accepted per draft | "
+                  "tokens per step |", "| --- | --- | --- | --- |"]
+        lines += [f"| {name} | {x['acceptance_rate']:.2f} | "
+                  f"{x['accepted_per_draft']:.2f} | "
+                  f"{x['tokens_per_step']:.2f} |" for name, x in spec]
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 

@@ -215,3 +215,30 @@ def guided_tool_call(server, model) -> dict:
     call = json.loads(r["choices"][0]["message"]["content"])
     jsonschema.validate(call, TOOL_CALL_SCHEMA)
     return call
+
+
+def streamed_tool_calls(server, body: dict):
+    """A streamed chat completion's tool calls assembled from its deltas as
+    an OpenAI client does: ([(name, arguments)], finish reason, chunks)."""
+    import json
+    import urllib.request
+    request = urllib.request.Request(
+        server.url + "/v1/chat/completions",
+        json.dumps(body | {"stream": True}).encode(),
+        {"Content-Type": "application/json"})
+    parts, finish, chunks = {}, None, 0
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for line in response:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunks += 1
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            for call in choice["delta"].get("tool_calls") or []:
+                part = parts.setdefault(call["index"], ["", ""])
+                part[0] += call.get("function", {}).get("name") or ""
+                part[1] += call.get("function", {}).get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    return ([(name, json.loads(arguments))
+             for _, (name, arguments) in sorted(parts.items())],
+            finish, chunks)

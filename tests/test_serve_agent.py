@@ -10,13 +10,13 @@ import json
 import re
 import shutil
 import subprocess
-import urllib.request
 
 import pytest
 
 import numpy as np
 
-from harness import fp8_flip_allowance, hf_greedy, hf_token_logprobs
+from harness import (fp8_flip_allowance, hf_greedy, hf_token_logprobs,
+                     streamed_tool_calls)
 from vllm_gemma_qat import quantization
 from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import agent
@@ -79,27 +79,12 @@ def test_chat_with_tools_returns_parsed_tool_calls(served):
 
 def test_streamed_tool_call_assembles_to_the_same_call(served):
     server, _, model, _ = served
-    request = urllib.request.Request(
-        server.url + "/v1/chat/completions", data=json.dumps({
-            "model": model, "temperature": 0, "max_tokens": 40,
-            "messages": PARIS, "tools": agent.TOOLS, "stream": True,
-            "chat_template_kwargs": {"enable_thinking": False}}).encode(),
-        headers={"Content-Type": "application/json"})
-    name, arguments, finish, chunks = "", "", None, 0
-    with urllib.request.urlopen(request, timeout=300) as response:
-        for line in response:
-            line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunks += 1
-            choice = json.loads(line[len("data: "):])["choices"][0]
-            for call in choice["delta"].get("tool_calls") or []:
-                assert call["index"] == 0
-                name += call.get("function", {}).get("name") or ""
-                arguments += call.get("function", {}).get("arguments") or ""
-            finish = choice.get("finish_reason") or finish
+    got, finish, chunks = streamed_tool_calls(server, {
+        "model": model, "temperature": 0, "max_tokens": 40,
+        "messages": PARIS, "tools": agent.TOOLS,
+        "chat_template_kwargs": {"enable_thinking": False}})
     assert chunks > 1 and finish == "tool_calls"
-    assert (name, json.loads(arguments)) == ("get_weather", {"city": "Paris"})
+    assert got == [("get_weather", {"city": "Paris"})]
 
 
 def test_thinking_on_separates_reasoning_from_the_call(served):

@@ -2,7 +2,6 @@
 engine and scheduler, tpu-inference's runner, on JAX's CPU backend (CPU
 mode), a tiny QAT checkpoint, a server process on 127.0.0.1."""
 import concurrent.futures
-import json
 import math
 import re
 import threading

@@ -11,20 +11,34 @@ of 8 concurrent requests equal transformers' on the target, token for
 token; vLLM's spec-decode counters (drafts, draft tokens, accepted tokens,
 accepted per position) equal those of the test's own draft-and-verify loop
 with transformers' target and assistant fed as tpu-inference's drafter is
-fed (`assistant.reference`)."""
+fed (`assistant.reference`); tool calls come back parsed by the gemma4
+parsers, streamed and not, while the drafter runs."""
 import concurrent.futures
 import copy
+import importlib.util
 import json
 import re
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
-from harness import hf_greedy
+from harness import hf_greedy, streamed_tool_calls
 from vllm_gemma_qat import quantization
-from vllm_gemma_qat.cpu.server import CpuServer
-from vllm_gemma_qat.testing import assistant
+from vllm_gemma_qat.cpu.server import CpuServer, metric_totals
+from vllm_gemma_qat.testing import agent, assistant
+
+
+def _serve_bench():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_bench.py"
+    spec = importlib.util.spec_from_file_location("serve_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+serve_bench = _serve_bench()
 
 INT4 = ["--hf-overrides", json.dumps({
     "quantization_config": quantization.w4a16_quantization_config()})]
@@ -41,6 +55,9 @@ INT4 = ["--hf-overrides", json.dumps({
 # drafter its own load config (`draft_load_config`, honoured: patches/0006):
 # vLLM's default loader loads it there.
 AUTO = {"draft_load_config": {"load_format": "auto"}}
+# vLLM's Gemma 4 recipe: tool calls and reasoning parsed.
+PARSERS = ["--enable-auto-tool-choice", "--tool-call-parser", "gemma4",
+           "--reasoning-parser", "gemma4"]
 CONFIGS = {
     "bf16-k2": ("regular", 2, ["--dtype", "bfloat16"], 32, False, {}),
     "int4-fp8-k4-masked": ("q4_0", 4, ["--dtype", "bfloat16",
@@ -86,7 +103,7 @@ def served(request, trained):
     model = root / f"target-{form or 'bf16'}"
     spec = json.dumps({"model": str(path), "num_speculative_tokens": k,
                        **extra})
-    with CpuServer(model, *flags, "--speculative-config", spec,
+    with CpuServer(model, *flags, *PARSERS, "--speculative-config", spec,
                    log=root / f"server-{request.param}.log",
                    step_tokens=step) as server:
         yield server, str(model), k, request.param, model64, hf, requests
@@ -133,10 +150,11 @@ def test_greedy_and_acceptance_equal_the_reference_loop(served):
             raise AssertionError(f"{e}: {e.read().decode()}") from None
         return r["choices"][0]["token_ids"]
 
-    before = spec_metrics(server)
+    before, totals = spec_metrics(server), metric_totals(server.url)
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
         served_tokens = list(pool.map(ask, requests))
-    after = spec_metrics(server)
+    after, totals = spec_metrics(server), (totals,
+                                           metric_totals(server.url))
     want = {"drafts_total": 0, "draft_tokens_total": 0,
             "accepted_tokens_total": 0, "per_pos": {i: 0 for i in range(k)}}
     for (prompt, answer), tokens in zip(requests, served_tokens):
@@ -158,6 +176,17 @@ def test_greedy_and_acceptance_equal_the_reference_loop(served):
     if k > 1:
         assert want["per_pos"][k - 1] < want["per_pos"][0]
     assert {n: got[n] for n in want} == want
+    # What benchmarks/serve_bench.py reports of the same run.
+    assert serve_bench.speculation(*totals) == {
+        "drafts": want["drafts_total"],
+        "draft_tokens": want["draft_tokens_total"],
+        "accepted_tokens": want["accepted_tokens_total"],
+        "acceptance_rate": want["accepted_tokens_total"]
+        / want["draft_tokens_total"],
+        "accepted_per_draft": want["accepted_tokens_total"]
+        / want["drafts_total"],
+        "tokens_per_step": 1 + want["accepted_tokens_total"]
+        / want["drafts_total"]}
     # The assistant loaded by gemma_qat, every weight bf16 (an int4 target
     # too: the drafter takes its own quantization config, patches/0007), or
     # with its draft_load_config by vLLM's default loader.
@@ -185,3 +214,28 @@ def test_prefix_cache_hits_with_speculation(served):
     hits = server.metrics()["vllm:prefix_cache_hits_total"] - before
     assert hits >= 16 * (len(prompt) // 16 - 1), hits  # all full pages
     assert answers[0] == answers[1] == answer
+
+
+def test_tool_calls_parsed_while_the_drafter_runs(served):
+    server, model, _, config, _, _, _ = served
+    before = spec_metrics(server)["drafts_total"]
+    for messages, expected, stream in [
+            ([{"role": "user", "content": "Weather in Paris?"}],
+             ("get_weather", {"city": "Paris"}), False),
+            ([{"role": "user", "content": "Add 2 and 3."}],
+             ("add", {"a": 2, "b": 3}), True)]:
+        body = {"model": model, "temperature": 0, "max_tokens": 40,
+                "messages": messages, "tools": agent.TOOLS,
+                "chat_template_kwargs": {"enable_thinking": False}}
+        if not stream:
+            message = server.post("/v1/chat/completions", body)[
+                "choices"][0]["message"]
+            got = [(c["function"]["name"],
+                    json.loads(c["function"]["arguments"]))
+                   for c in message["tool_calls"]]
+        else:
+            got, finish, _ = streamed_tool_calls(server, body)
+            assert finish == "tool_calls"
+        assert got == [expected], config
+    assert spec_metrics(server)["drafts_total"] > before  # it drafted
+
