@@ -67,7 +67,6 @@ def test_sharded_serving_equals_transformers(served):
     assert first[1] == hf_greedy(hf, first[0], 8)
 
 
-
 def test_data_parallel_two_engines(tmp_path):
     # tpu-inference 0.32 runs `vllm serve --data-parallel-size N` as N
     # engine processes (vLLM's multi-process DP), each with its own model
@@ -79,6 +78,31 @@ def test_data_parallel_two_engines(tmp_path):
         assert_concurrent_greedy_equal(
             server, tmp_path / "model", hf,
             [f"replica {i}: " + "d" * (2 + 3 * i) for i in range(8)])
+        # Each replica answered some of them ...
+        assert all(n > 0 for n in per_engine(
+            server, "vllm:request_success_total").values())
+        # ... and each keeps its own prefix cache: one prompt sent 8 at once,
+        # twice, is answered the same everywhere and hits on both.
+        prompt = "A shared system prompt for every replica. " * 3 + "Go."
+        assert_concurrent_greedy_equal(server, tmp_path / "model", hf,
+                                       [prompt] * 8)
+        assert_concurrent_greedy_equal(server, tmp_path / "model", hf,
+                                       [prompt] * 8)
+        hits = per_engine(server, "vllm:prefix_cache_hits_total")
+        assert len(hits) == 2 and all(n >= 32 for n in hits.values()), hits
     log = server.log.read_text()
     for rank in (0, 1):
         assert re.search(rf"EngineCore_DP{rank} .*gemma_qat: loaded", log)
+
+
+def per_engine(server, name) -> dict[str, float]:
+    """A counter of the server's /metrics by its `engine` label (one per
+    data-parallel replica)."""
+    import urllib.request
+    text = urllib.request.urlopen(server.url + "/metrics").read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            engine = re.search(r'engine="(\d+)"', line)[1]
+            out[engine] = out.get(engine, 0.0) + float(line.rpartition(" ")[2])
+    return out
