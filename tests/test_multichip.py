@@ -79,8 +79,9 @@ def test_data_parallel_two_engines(tmp_path):
             server, tmp_path / "model", hf,
             [f"replica {i}: " + "d" * (2 + 3 * i) for i in range(8)])
         # Each replica answered some of them ...
-        assert all(n > 0 for n in per_engine(
-            server, "vllm:request_success_total").values())
+        success = per_engine(server, "vllm:request_success_total")
+        assert len(success) == 2 and all(n > 0 for n in success.values()), \
+            success
         # ... and each keeps its own prefix cache: one prompt sent 8 at once,
         # twice, is answered the same everywhere and hits on both.
         prompt = "A shared system prompt for every replica. " * 3 + "Go."

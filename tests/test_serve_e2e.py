@@ -152,13 +152,13 @@ def _reference(hf, prompt_ids, n):
     return out[0, len(prompt_ids):].tolist()
 
 
-def test_pages_past_the_window_are_freed_and_reused_answers_stay_right(
-        served):
+def test_pages_past_the_window_are_freed_answers_stay_right(served):
     """Four long requests at once: the pages their rows leave behind the
     window go back to the pool (what the engine's usage gauge says is held
-    stays near the full layer's pages) and are handed to other requests
-    while the stale ids stay in the runner's block tables; every answer
-    equals transformers'."""
+    stays near the full layer's pages) while the stale ids stay in the
+    runner's block tables; every answer equals transformers'. Freed pages
+    handed to other requests: tests/test_preemption.py, whose pool is
+    small enough that they must be (tests/kv_pressure.py)."""
     server, hf, model = served
     prompts = [(f"Window {i} slides over the log. " * 8)[:150 + 15 * i]
                for i in range(4)]

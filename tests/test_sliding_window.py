@@ -47,7 +47,10 @@ def test_full_size_rows_and_plan_agree(geometry, rows, tmp_path):
             assert layout.source_place(geo.kv_share_map, layer) == \
                 layout.place[source]
     # plan's figure: a block of `group size` full-layer pages, one group
-    # of full layers and the rows in groups of that size (vLLM's rule).
+    # of full layers and the rows in groups of that size (vLLM's rule as
+    # plan restates it; vLLM's own grouping is held to plan's bytes by
+    # test_aot, arrays compiled from get_kv_cache_groups, and by
+    # test_serve_agent, the server's logged pool).
     full = sum(geo.is_full(i) for i in range(geo.num_layers)
                if i not in geo.kv_share_map)
     p = plan.sliding_window_layout(geo, "bf16", 1, 16)
@@ -64,6 +67,13 @@ def test_geometries_that_do_not_pack_keep_the_full_context():
     odd = dict(text, head_dim=384, global_head_dim=512)
     assert row_layout(_Attrs(odd)) is None
     assert plan.sliding_window_layout(Geometry.from_text_config(odd),
+                                      "bf16", 1, 16) is None
+    # Full layers with other KV heads than the sliding ones (26B / 31B's
+    # attention_k_eq_v): a row would mix head counts.
+    heads = dict(text, attention_k_eq_v=True,
+                 num_global_key_value_heads=2 * text["num_key_value_heads"])
+    assert row_layout(_Attrs(heads)) is None
+    assert plan.sliding_window_layout(Geometry.from_text_config(heads),
                                       "bf16", 1, 16) is None
     # No sliding window at all.
     assert row_layout(_Attrs(dict(text, sliding_window=None))) is None

@@ -129,3 +129,31 @@ def test_apply_on_import_waits_for_the_module_and_registers_once(
         assert importlib.import_module("_later_imported").f() == 2
     finally:
         sys.modules.pop("_later_imported", None)
+
+
+def test_optional_table_with_a_missing_target_is_left_out_whole(
+        tmp_path, monkeypatch):
+    import importlib
+    import logging
+    import sys
+    (tmp_path / "_older_release.py").write_text("def f():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    table = lambda: [  # noqa: E731
+        Substitution("_older_release:f", lambda: 2, "present"),
+        Substitution("_older_release:renamed", lambda: 3, "missing")]
+    substitute.apply_on_import("_older_release", table, "optional fix",
+                               optional=True)
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    substitute.logger.addHandler(handler)
+    try:
+        module = importlib.import_module("_older_release")
+        assert module.f() == 1  # nothing applied, the import went through
+        assert any("optional fix: not applied" in r
+                   and "_older_release:renamed" in r for r in records)
+        with pytest.raises(substitute.MissingTarget, match="renamed"):
+            substitute.apply(table(), "required fix")
+    finally:
+        substitute.logger.removeHandler(handler)
+        sys.modules.pop("_older_release", None)

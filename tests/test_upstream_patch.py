@@ -1,6 +1,7 @@
 """patches/ fixes tpu-inference itself (#3225; image steps; preemption;
 one cache clear per weight load; weights in the model's dtype; the
-speculative drafter's load config and quantization): applied to a
+speculative drafter's load config and quantization; sliding-window KV,
+#3220): applied to a
 copy of the installed (pinned) tpu-inference, stock `auto` loads both
 layouts with no plugin, each patch's own tests pass, and the plugin steps
 aside."""
@@ -47,6 +48,11 @@ NEW_TEST_FILES = {
         "tests/models/common/test_model_loader_draft_quantization.py",
         ("tpu_inference/models/common/model_loader.py",
          "tpu_inference/layers/jax/quantization/__init__.py")),
+    "0008-Gemma4-Sliding-window-aware-KV-cache.patch": (
+        "tests/models/jax/test_gemma4_sliding_window_kv.py",
+        ("tpu_inference/runner/kv_cache_manager.py",
+         "tpu_inference/models/jax/gemma4.py",
+         "tpu_inference/models/common/kv_share.py")),
 }
 
 
@@ -150,6 +156,12 @@ def test_plugin_detects_fixed_tpu_inference_and_still_loads(patched, tiny_models
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "ok plugin gemma_qat e2b qat" in out.stdout
     assert "tpu-inference already builds no K/V" in out.stdout + out.stderr
+    # 0008: the plugin's sliding-window fix sees the packing and steps
+    # aside (it would pack the rows a second time).
+    check = ("from vllm_gemma_qat.fixes import sliding_window\n"
+             "print('packs', sliding_window._upstream_packs())")
+    out = _run(["-c", check], patched)
+    assert out.returncode == 0 and "packs True" in out.stdout, out.stderr
 
 
 @pytest.mark.parametrize("patch_name", sorted(NEW_TEST_FILES))

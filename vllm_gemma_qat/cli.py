@@ -342,7 +342,7 @@ def cmd_plan(args) -> int:
           f"  {'fits' if p.fits else 'does NOT fit'}; max "
           f"{p.max_agents_at_context} agents at this context, max "
           f"{p.max_context_for_agents} tokens for {args.agents} agents "
-          f"({p.kv_blocks_per_agent} blocks each, as vLLM admits them)")
+          f"({p.kv_blocks_per_agent} blocks each, as vLLM counts them)")
     print(f"  every layer at full context (tpu-inference 0.32)   "
           f"{_gb(p.kv_total_bytes_full_context)}  "
           f"{'fits' if p.fits_full_context else 'does NOT fit'}; max "

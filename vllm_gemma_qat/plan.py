@@ -3,9 +3,10 @@ one chip or a tensor-parallel slice (TP chips).
 
 KV figures follow tpu-inference's cache layout: only non-shared layers hold
 KV; per layer a token takes, on each chip, align(2 x kv_heads / TP, packing)
-x align(head_dim, 128) elements, where packing is 32 bits / dtype bits (bf16:
-2, fp8: 4) and kv_heads is padded to a multiple of TP (E2B's one KV
-head is then held whole on every chip).
+x head_dim padded as tpu-inference pads it (to 128; 64 stays) elements,
+where packing is 32 bits / dtype bits (bf16: 2, fp8: 4) and kv_heads is
+padded to a multiple of TP (E2B's one KV head is then held whole on every
+chip).
 Under TP, tpu-inference 0.32's Gemma 4 splits the attention and MLP
 projections (heads, MLP width; K/V on head_dim when KV heads < TP) and both
 embeddings (vocabulary) across the chips, and keeps the rest (norms, layer
@@ -15,10 +16,12 @@ Under gemma_qat sliding layers keep only their window
 (`fixes/sliding_window.py`, #3220): two sliding layers share a page of a full
 layer's shape, vLLM groups those rows and the full layers into groups of one
 page size, and one pool of blocks serves every group. The figures are vLLM
-0.32's own: a block is `group size` pages; a request at context T holds
-cdiv(T, 16) blocks per full group and, per sliding group, what vLLM reserves
-at admission: cdiv(min(window - 1 + in-flight tokens, T), 16) + 1, where the
-in-flight tokens are 2 x --max-num-batched-tokens with async scheduling.
+0.32's own: a block is `group size` pages of B tokens (tpu-inference's page
+size, `tpu_page_size`); a request at context T holds cdiv(T, B) blocks per
+full group and, per sliding group, what vLLM's concurrency figure counts
+for it: cdiv(min(window - 1 + in-flight tokens, T), B) + 1, where the
+in-flight tokens are 2 x --max-num-batched-tokens with async scheduling (an
+upper bound: a request shorter than that holds cdiv(T, B)).
 With a speculative-decoding drafter gemma_qat keeps every layer at full
 context, as tpu-inference 0.32 does (the `*_full_context` figures).
 """
@@ -49,6 +52,12 @@ def _align(x: int, to: int) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """tpu-inference's get_padded_head_dim: 64 stays (its own kernel), the
+    rest to a multiple of 128."""
+    return 64 if head_dim == 64 else _align(head_dim, 128)
 
 
 def tpu_page_size(max_model_len: int, max_num_seqs: int = MAX_NUM_SEQS) -> int:
@@ -102,7 +111,7 @@ def sliding_window_layout(geo: Geometry, kv_dtype: str, tp: int,
     window = geo.text.get("sliding_window")
     if not (sliding and full and window):
         return None
-    s_dim, f_dim = (_align(geo.head_dim(i[0]), 128) for i in (sliding, full))
+    s_dim, f_dim = (padded_head_dim(geo.head_dim(i[0])) for i in (sliding, full))
     if geo.kv_heads(sliding[0]) != geo.kv_heads(full[0]) or f_dim % s_dim:
         return None
     rows = _cdiv(len(sliding), f_dim // s_dim)
@@ -123,7 +132,7 @@ def kv_bytes_per_layer_token(geo: Geometry, layer: int, kv_dtype: str,
     packing = 4 // nbytes
     heads_per_chip = -(-geo.kv_heads(layer) // tp)
     return (_align(2 * heads_per_chip, packing) *
-            _align(geo.head_dim(layer), 128) * nbytes)
+            padded_head_dim(geo.head_dim(layer)) * nbytes)
 
 
 def split_under_tp(name: str) -> bool:
@@ -260,12 +269,14 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
     total, per_chip = weights.per_chip(geo, form, tp, dtype_bytes)
     budget = max(0, int(int(hbm_gib * GIB) * utilization - per_chip))
     pool = budget // layout.block_bytes
+    usable = max(0, pool - 1)  # vLLM keeps block 0 as its null block
     longest = 0  # the longest context `agents` requests fit at once
-    if agents and agents * blocks(1) <= pool:
-        lo, hi = 1, within_limit(pool * block_size)
+    if agents and agents * blocks(1) <= usable:
+        lo, hi = 1, within_limit(usable * block_size)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if agents * blocks(mid) <= pool else (lo, mid - 1)
+            lo, hi = ((mid, hi) if agents * blocks(mid) <= usable
+                      else (lo, mid - 1))
         longest = lo
     return Plan(
         tp=tp,
@@ -282,8 +293,8 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
         kv_total_bytes=agents * blocks(context) * layout.block_bytes,
         budget_bytes=budget,
         kv_cache_tokens=int(pool / blocks(context) * context),
-        fits=in_range and agents * blocks(context) <= pool,
-        max_agents_at_context=pool // blocks(context),
+        fits=in_range and agents * blocks(context) <= usable,
+        max_agents_at_context=usable // blocks(context),
         max_context_for_agents=longest,
         kv_total_bytes_full_context=agents * context * per_token,
         fits_full_context=in_range and agents * context * per_token <= budget,

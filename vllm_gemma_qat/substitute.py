@@ -120,20 +120,33 @@ def after_import(module_name: str, callback: Callable) -> None:
 
 def apply_on_import(module_name: str,
                     table: Callable[[], list[Substitution]],
-                    label: str) -> None:
+                    label: str, optional: bool = False) -> None:
     """`apply(table(), label)` when `module_name` is imported (now, if it
     is): how a fix installs its table without importing tpu-inference.
-    Idempotent (the callback compares equal for the same table and label)."""
-    after_import(module_name, _ApplyTable(table, label))
+    Idempotent (the callback compares equal for the same table and label).
+    `optional`: a table whose target is missing is logged and left out
+    whole (for a feature the model works without, on another release),
+    instead of stopping the import with MissingTarget."""
+    after_import(module_name, _ApplyTable(table, label, optional))
 
 
 @dataclass(frozen=True)
 class _ApplyTable:
     table: Callable[[], list[Substitution]]
     label: str
+    optional: bool = False
 
     def __call__(self, _module=None) -> None:
-        apply(self.table(), self.label)
+        table = self.table()
+        if self.optional:
+            try:
+                for s in table:
+                    s.resolve()
+            except MissingTarget as e:
+                logger.warning("%s: not applied, the installed release "
+                               "differs (%s)", self.label, e)
+                return
+        apply(table, self.label)
 
 
 class _AfterImport:

@@ -195,6 +195,12 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
     except Exception as e:  # libtpu missing, or an unknown name
         raise AotError(f"libtpu cannot describe {topo.name} "
                        f"({topo.libtpu_name}): {e}") from None
+    described = (len(desc.devices),
+                 len({d.process_index for d in desc.devices}))
+    if described != (topo.chips, topo.hosts):
+        raise AotError(f"libtpu describes {topo.name} ({topo.libtpu_name}) "
+                       f"as {described[0]} chips on {described[1]} hosts, "
+                       f"not {topo.chips} on {topo.hosts}")
 
     # The plugin's header check, as `vllm serve` runs it (a local
     # checkpoint; a hub repo is checked from its headers by _plan_inputs).
@@ -230,7 +236,9 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                 tp=tp, dtype_bytes=served.itemsize,
                 max_num_batched_tokens=vllm_config.scheduler_config.
                 max_num_batched_tokens,
-                block_size=vllm_config.cache_config.block_size)
+                block_size=vllm_config.cache_config.block_size,
+                async_scheduling=bool(
+                    vllm_config.scheduler_config.async_scheduling))
             p_lm = planlib.make_plan(
                 geo, planlib.Weights(plan_weights.tensors),
                 agents=max_num_seqs, context=max_model_len,

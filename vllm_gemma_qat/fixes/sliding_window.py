@@ -28,16 +28,20 @@ sliding layers share one row of a full layer's shape: each cache row is
   layer's K/V. Attention reads the whole row within the window (the cost:
   2x the sliding layers' bytes read per step, at most `window` tokens).
 
-Off, as before, with a speculative-decoding drafter (the Gemma 4 assistant
-reads the target's cache with one block table) and for geometries whose
-head dims do not pack (sliding head dim not a divisor of the full one, or
-different KV heads).
+Off, as before (every layer keeps the full context, logged), with a
+speculative-decoding drafter (the Gemma 4 assistant reads the target's cache
+with one block table), under pipeline or decode-context parallelism, for
+geometries whose head dims do not pack (sliding head dim not a divisor of
+the full one, or different KV heads), on a tpu-inference release without
+what this builds on (the tables are optional: a missing target leaves both
+out), and on one that packs already (patches/0008 applied).
 """
 from __future__ import annotations
 
 import contextvars
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from vllm.logger import init_logger
 
@@ -53,15 +57,24 @@ LABEL = f"vllm-gemma-qat (--load-format {LOAD_FORMAT} only, sliding-window KV)"
 # Under the "vllm" logger so the lines show in vLLM's own log output.
 logger = init_logger(f"vllm.{__name__}")
 
-# The layer whose attention is being traced: (row owner, slot, slots per row).
+# The RowPlace of the layer whose attention is being traced (None: not in a
+# row).
 _place = contextvars.ContextVar("gemma_qat_kv_row_place", default=None)
 # K/V written to each row so far in the model call being traced.
 _row_kv = contextvars.ContextVar("gemma_qat_kv_row_kv", default=None)
 
 
 def install() -> None:
-    substitute.apply_on_import(KV_CACHE_MODULE, cache_substitutions, LABEL)
-    substitute.apply_on_import(MODEL_MODULE, model_substitutions, LABEL)
+    substitute.apply_on_import(KV_CACHE_MODULE, cache_substitutions, LABEL,
+                               optional=True)
+    substitute.apply_on_import(MODEL_MODULE, model_substitutions, LABEL,
+                               optional=True)
+
+
+class RowPlace(NamedTuple):
+    owner: int  # the layer whose cache row this is
+    slot: int  # which head-dim slice of the row
+    slots: int  # slots per row
 
 
 @dataclass(frozen=True)
@@ -80,20 +93,25 @@ def row_layout(text_config) -> RowLayout | None:
     in layer order; None when the geometry does not pack."""
     from tpu_inference import utils
     from tpu_inference.models.common.kv_share import compute_kv_share_map
+    if not hasattr(utils, "get_layer_kv_params"):  # before 0.28
+        return None
     types = list(getattr(text_config, "layer_types", None) or ())
     window = getattr(text_config, "sliding_window", None)
-    if not types or not window:
+    if not (window and "sliding_attention" in types
+            and "full_attention" in types):
         return None
-    dims = {t: utils.get_layer_kv_params(text_config, t)
-            for t in ("sliding_attention", "full_attention")}
-    sliding_dim, sliding_heads = dims["sliding_attention"]
-    full_dim, full_heads = dims["full_attention"]
-    if not (sliding_dim and full_dim):
+    sliding_dim, sliding_heads = utils.get_layer_kv_params(
+        text_config, "sliding_attention")
+    full_dim, full_heads = utils.get_layer_kv_params(text_config,
+                                                     "full_attention")
+    if not (sliding_dim and sliding_heads):
         return None
+    # None: no per-type value (E2B's num_global_key_value_heads), so the
+    # model-wide one, as get_kv_cache_spec falls back to.
+    full_dim, full_heads = full_dim or sliding_dim, full_heads or sliding_heads
     sliding_dim = utils.get_padded_head_dim(sliding_dim)
     full_dim = utils.get_padded_head_dim(full_dim)
-    if (sliding_heads or full_heads) != (full_heads or sliding_heads) \
-            or full_dim % sliding_dim:
+    if sliding_heads != full_heads or full_dim % sliding_dim:
         return None
     slots = full_dim // sliding_dim
     shared = compute_kv_share_map(text_config)
@@ -121,6 +139,25 @@ def cache_substitutions() -> list[Substitution]:
     ]
 
 
+def _upstream_packs() -> bool:
+    """tpu-inference packs sliding layers itself (patches/0008 applied)."""
+    from tpu_inference.models.common import kv_share
+    return hasattr(kv_share, "compute_sliding_window_kv_rows")
+
+
+def _model_side_installed() -> bool:
+    try:
+        return all(substitute.installed(s.target)
+                   for s in model_substitutions())
+    except substitute.MissingTarget:
+        return False
+
+
+def _full_context(why: str) -> None:
+    logger.info("gemma_qat: sliding-window KV is off %s: every layer keeps "
+                "the full context", why)
+
+
 def _active_layout(manager) -> RowLayout | None:
     runner = manager.runner
     vllm_config = runner.vllm_config
@@ -131,15 +168,27 @@ def _active_layout(manager) -> RowLayout | None:
     text = getattr(runner.model_config, "hf_text_config", None)
     if "gemma4" not in str(getattr(text, "model_type", "")):
         return None
+    if _upstream_packs():
+        logger.info("tpu-inference already packs sliding layers' KV "
+                    "(#3220); vllm-gemma-qat leaves its KV cache as is")
+        return None
     layout = row_layout(text)
     if layout is None:
         return None
+    parallel = vllm_config.parallel_config
     if runner.speculative_config is not None:
-        logger.info("gemma_qat: sliding-window KV is off with a speculative "
-                    "drafter (it reads the target's cache through one block "
-                    "table): every layer keeps the full context")
-        return None
-    return layout
+        _full_context("with a speculative drafter (the Gemma 4 assistant "
+                      "reads the target's cache through one block table)")
+    elif parallel.pipeline_parallel_size > 1:
+        _full_context("under pipeline parallelism")
+    elif getattr(parallel, "decode_context_parallel_size", 1) > 1:
+        _full_context("under decode context parallelism")
+    elif not _model_side_installed():
+        _full_context("(this tpu-inference's Gemma4Attention differs from "
+                      "0.32's; the model side was not applied)")
+    else:
+        return layout
+    return None
 
 
 def _row_specs(get_kv_cache_spec):
@@ -201,6 +250,8 @@ def _shared_arrays_and_groups(initialize_kv_cache):
                 layer_stride=0, block_stride=page)
             for j in range(width)]
         initialize_kv_cache(self, kv_cache_config)
+        # The runner builds GroupedAttentionMetadata from the groups' layer
+        # names (after this call): a redirected layer needs its owner's key.
         group_of = {name: g for g in groups for name in g.layer_names}
         for name, owner in self.shared_kv_cache_layers.items():
             if name not in group_of and owner in group_of:
@@ -235,12 +286,13 @@ def _knowing_its_row(init):
     def __init__(self, config, layer_idx, *args, **kwargs):
         init(self, config, layer_idx, *args, **kwargs)
         from tpu_inference.models.common.kv_share import compute_kv_share_map
-        layout = (row_layout(config)
-                  if self.is_sliding and building_for_gemma_qat() else None)
+        layout = (row_layout(config) if self.is_sliding
+                  and building_for_gemma_qat() and not _upstream_packs()
+                  else None)
         place = layout and layout.source_place(compute_kv_share_map(config),
                                                layer_idx)
         self.gemma_qat_row_place = (
-            None if place is None else (*place, layout.slots_per_row))
+            None if place is None else RowPlace(*place, layout.slots_per_row))
 
     return __init__
 
