@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+import kv_pressure
 from harness import hf_greedy, streamed_tool_calls
 from vllm_gemma_qat import quantization
 from vllm_gemma_qat.cpu.server import CpuServer, metric_totals
@@ -65,6 +66,14 @@ CONFIGS = {
                            64, True, {}),
     "w4a16-k1-auto-drafter": ("w4a16", 1, ["--dtype", "bfloat16"], 32, False,
                               AUTO),
+    # The QAT bf16 export at TP=2, in float32 (its long greedy answers under
+    # KV pressure are compared with transformers' float32), in a cache of
+    # SMALL_CACHE blocks: the 8 conversations fit at once (<= 7 blocks of
+    # 16 tokens each, draft lookahead included), 8 x 180-token answers do
+    # not (kv_pressure.py).
+    "qat-k2-tp2-small-cache": (None, 2, ["--tensor-parallel-size", "2",
+                                         "--num-gpu-blocks-override", "57"],
+                               32, False, {}),
 }
 
 
@@ -103,9 +112,11 @@ def served(request, trained):
     model = root / f"target-{form or 'bf16'}"
     spec = json.dumps({"model": str(path), "num_speculative_tokens": k,
                        **extra})
+    tp = int(flags[flags.index("--tensor-parallel-size") + 1]
+             if "--tensor-parallel-size" in flags else 1)
     with CpuServer(model, *flags, *PARSERS, "--speculative-config", spec,
                    log=root / f"server-{request.param}.log",
-                   step_tokens=step) as server:
+                   step_tokens=step, devices=tp) as server:
         yield server, str(model), k, request.param, model64, hf, requests
 
 
@@ -196,8 +207,9 @@ def test_greedy_and_acceptance_equal_the_reference_loop(served):
         assert line is None
         return
     masked = CONFIGS[config][4]  # + centroids and the int token ordering
+    dtype = "bfloat16" if "bfloat16" in CONFIGS[config][2] else "float32"
     assert line[1] == str(26 + 2 * masked), line[0]
-    assert re.fullmatch(r"bfloat16 [\d.]+ MiB" + (r", int32 [\d.]+ MiB"
+    assert re.fullmatch(dtype + r" [\d.]+ MiB" + (r", int32 [\d.]+ MiB"
                                                    if masked else ""),
                         line[2]), line[0]
 
@@ -239,3 +251,24 @@ def test_tool_calls_parsed_while_the_drafter_runs(served):
         assert got == [expected], config
     assert spec_metrics(server)["drafts_total"] > before  # it drafted
 
+
+
+def test_preempted_requests_answer_right_with_speculation(served):
+    """KV pressure with the drafter running: vLLM preempts requests and
+    recomputes them (their drafts are dropped and drafting starts again
+    from the recomputed state), and every answer still equals
+    transformers'. Acceptance is not compared with the reference loop
+    here: a resumed request's steps no longer line up with it."""
+    server, model, _, config, _, target, _ = served
+    if "--num-gpu-blocks-override" not in CONFIGS[config][2]:
+        pytest.skip("a server with room for every request")
+    before, drafts = (server.metrics().get("vllm:num_preemptions_total", 0),
+                      spec_metrics(server))
+    results = kv_pressure.answers(server, model, kv_pressure.PROMPTS)
+    preempted = server.metrics()["vllm:num_preemptions_total"] - before
+    got = delta(spec_metrics(server), drafts)
+    assert kv_pressure.wrong_answers(target, results) == []
+    assert preempted > 0, "the cache held every request: no pressure"
+    # The drafter kept drafting, and some of it was accepted, throughout.
+    assert got["drafts_total"] > 0 and got["accepted_tokens_total"] > 0, got
+    print(config, "preemptions", preempted, "speculation", got)

@@ -1,20 +1,22 @@
 """The runtime substitutions, declared once: every target of the fixes
 (`vllm_gemma_qat.fixes`: kv-share, image steps, preemption, compile-once,
-the drafter's load config and quantization, sliding-window KV),
+the drafter's load config and quantization, sliding-window KV, discarded
+samples under speculation),
 of preflight and of CPU mode exists in the installed tpu-inference; a
 missing target is named, never silently added; CPU mode refuses TPU
 machines."""
 import pytest
 
 from vllm_gemma_qat import cpu, fixes, preflight, substitute
-from vllm_gemma_qat.fixes import (compile_once, drafter_load,
-                                  drafter_quantization, image_steps, kv_share,
-                                  preemption, sliding_window)
+from vllm_gemma_qat.fixes import (compile_once, discarded_samples,
+                                  drafter_load, drafter_quantization,
+                                  image_steps, kv_share, preemption,
+                                  sliding_window)
 from vllm_gemma_qat.substitute import MissingTarget, Substitution
 
 NAMES = ["kv_share", "image_steps", "preemption", "compile_once",
          "drafter_load", "drafter_quantization", "sliding_window",
-         "preflight", "CPU kernels", "CPU runtime"]
+         "discarded_samples", "preflight", "CPU kernels", "CPU runtime"]
 
 
 def tables():
@@ -26,6 +28,7 @@ def tables():
             "drafter_quantization": drafter_quantization.substitutions(),
             "sliding_window": sliding_window.cache_substitutions()
             + sliding_window.model_substitutions(),
+            "discarded_samples": discarded_samples.substitutions(),
             "preflight": preflight.substitutions(),
             "CPU kernels": cpu.kernel_substitutions(),
             "CPU runtime": cpu.runtime_substitutions()}

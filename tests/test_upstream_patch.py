@@ -1,10 +1,10 @@
 """patches/ fixes tpu-inference itself (#3225; image steps; preemption;
 one cache clear per weight load; weights in the model's dtype; the
 speculative drafter's load config and quantization; sliding-window KV,
-#3220): applied to a
-copy of the installed (pinned) tpu-inference, stock `auto` loads both
-layouts with no plugin, each patch's own tests pass, and the plugin steps
-aside."""
+#3220; no async placeholder for discarded samples under speculation):
+applied to a copy of the installed (pinned) tpu-inference, stock `auto`
+loads both layouts with no plugin, each patch's own tests pass, and the
+plugin steps aside."""
 import importlib.metadata
 import importlib.util
 import os
@@ -53,6 +53,9 @@ NEW_TEST_FILES = {
         ("tpu_inference/runner/kv_cache_manager.py",
          "tpu_inference/models/jax/gemma4.py",
          "tpu_inference/models/common/kv_share.py")),
+    "0009-Spec-decode-No-async-placeholder-for-discarded-samples.patch": (
+        "tests/runner/test_tpu_runner_spec_decode_placeholders.py",
+        ("tpu_inference/runner/tpu_runner.py", )),
 }
 
 
