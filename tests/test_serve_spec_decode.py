@@ -12,7 +12,8 @@ token; vLLM's spec-decode counters (drafts, draft tokens, accepted tokens,
 accepted per position) equal those of the test's own draft-and-verify loop
 with transformers' target and assistant fed as tpu-inference's drafter is
 fed (`assistant.reference`); tool calls come back parsed by the gemma4
-parsers, streamed and not, while the drafter runs."""
+parsers, streamed and not, while the drafter runs; the sliding layers keep
+only their window with the drafter (#3220)."""
 import concurrent.futures
 import copy
 import importlib.util
@@ -198,11 +199,20 @@ def test_greedy_and_acceptance_equal_the_reference_loop(served):
         / want["drafts_total"],
         "tokens_per_step": 1 + want["accepted_tokens_total"]
         / want["drafts_total"]}
+    # With the drafter, the sliding layers still keep only their window
+    # (#3220): the drafter's sliding and full layers read different groups'
+    # block tables. A drafter handed only the last group's table (as
+    # tpu-inference's proposer does) drafts from the wrong pages: 38 of 56
+    # accepted on the bf16-k2 server, 52 drafts instead of 33.
+    log = server.log.read_text()
+    assert ("gemma_qat: sliding-window KV (#3220): 3 sliding layers in 2 "
+            "rows of 2, window 32") in log
+    assert "num_kv_cache_groups=3," in log
     # The assistant loaded by gemma_qat, every weight bf16 (an int4 target
     # too: the drafter takes its own quantization config, patches/0007), or
     # with its draft_load_config by vLLM's default loader.
     line = re.search(r"gemma_qat: assistant loaded (\d+) tensors .*weights "
-                     r"by dtype: (.*)", server.log.read_text())
+                     r"by dtype: (.*)", log)
     if CONFIGS[config][5] == AUTO:
         assert line is None
         return

@@ -293,8 +293,7 @@ def cmd_plan(args) -> int:
                        dtype_bytes=SERVED_DTYPE_BYTES[args.dtype],
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs,
-                       block_size=args.block_size,
-                       drafter=bool(args.assistant))
+                       block_size=args.block_size)
     rest = "as stored" if args.dtype == "auto" else args.dtype
     dtypes = (f"int4 linears, the rest {rest}" if args.weights == "int4"
               else dtypes if args.dtype == "auto" else args.dtype)
@@ -328,8 +327,7 @@ def cmd_plan(args) -> int:
           f"{geo.num_layers} layers hold KV)")
     layout = (f"sliding layers keep their {geo.text.get('sliding_window')}"
               "-token window (#3220)" if p.kv_sliding_window else
-              "every layer keeps the full context"
-              + (" (with a drafter)" if args.assistant else ""))
+              "every layer keeps the full context")
     print(f"budget        {_gb(p.budget_bytes)} for KV per chip "
           f"({args.hbm_gib:g} GiB x {args.utilization:g} - weights): "
           f"{p.kv_pool_blocks} blocks of {p.kv_block_size} tokens, "

@@ -22,8 +22,10 @@ full group and, per sliding group, what vLLM's concurrency figure counts
 for it: cdiv(min(window - 1 + in-flight tokens, T), B) + 1, where the
 in-flight tokens are 2 x --max-num-batched-tokens with async scheduling (an
 upper bound: a request shorter than that holds cdiv(T, B)).
-With a speculative-decoding drafter gemma_qat keeps every layer at full
-context, as tpu-inference 0.32 does (the `*_full_context` figures).
+The Gemma 4 assistant (speculative decoding's MTP drafter) reads the
+target's cache and changes none of it (its k draft tokens a step are in
+the in-flight count's margin); tpu-inference 0.32 as it is keeps every layer
+at full context (the `*_full_context` figures).
 """
 from __future__ import annotations
 
@@ -202,9 +204,9 @@ class Plan:
     kv_bytes_per_token: int  # every KV-owning layer, full context
     agents: int
     context: int
-    # What gemma_qat serves (sliding-window KV unless a drafter or the
-    # geometry rules it out): vLLM's pool of blocks and what a request at
-    # `context` holds of it.
+    # What gemma_qat serves (sliding-window KV unless the geometry rules it
+    # out): vLLM's pool of blocks and what a request at `context` holds of
+    # it.
     kv_sliding_window: bool
     kv_block_size: int  # tokens per block (page)
     kv_block_bytes: int
@@ -242,20 +244,17 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
               max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
               max_num_seqs: int = MAX_NUM_SEQS,
               block_size: int | None = None,
-              async_scheduling: bool = True,
-              drafter: bool = False) -> Plan:
+              async_scheduling: bool = True) -> Plan:
     """`utilization`: vLLM's --gpu-memory-utilization (its default 0.92);
     the budget is tpu-inference's: HBM x utilization - what the chip holds
-    (the weights). `drafter`: served with speculative decoding (full-context
-    KV)."""
+    (the weights)."""
     own = [i for i in range(geo.num_layers) if i not in geo.kv_share_map]
     per_token = sum(kv_bytes_per_layer_token(geo, i, kv_dtype, tp)
                     for i in own)
     # vLLM's --max-model-len taken as `context`.
     block_size = block_size or tpu_page_size(context, max_num_seqs)
-    layout = None if drafter else sliding_window_layout(geo, kv_dtype, tp,
-                                                        block_size)
-    layout = layout or full_context_layout(geo, kv_dtype, tp, block_size)
+    layout = sliding_window_layout(geo, kv_dtype, tp, block_size) \
+        or full_context_layout(geo, kv_dtype, tp, block_size)
     in_flight = (2 if async_scheduling else 1) * max_num_batched_tokens
     limit = geo.text.get("max_position_embeddings")
 

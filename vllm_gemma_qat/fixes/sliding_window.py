@@ -28,9 +28,17 @@ sliding layers share one row of a full layer's shape: each cache row is
   layer's K/V. Attention reads the whole row within the window (the cost:
   2x the sliding layers' bytes read per step, at most `window` tokens).
 
+- The Gemma 4 assistant (MTP drafter): its layers read the target's last
+  sliding and last full layer, which now sit in different groups, while
+  tpu-inference's proposer hands it one block table (the last group's). Its
+  attention metadata carries the block tables of the groups it reads,
+  interleaved per request (`[group a | group b]` for each request, so the
+  proposer's per-request handling of the table is unchanged), and each
+  draft layer attends with its group's table, in its source's slot.
+
 Off, as before (every layer keeps the full context, logged), with a
-speculative-decoding drafter (the Gemma 4 assistant reads the target's cache
-with one block table), under pipeline or decode-context parallelism, for
+drafter other than the Gemma 4 assistant (EAGLE heads declare caches of
+their own), under pipeline or decode-context parallelism, for
 geometries whose head dims do not pack (sliding head dim not a divisor of
 the full one, or different KV heads), on a tpu-inference release without
 what this builds on (the tables are optional: a missing target leaves both
@@ -52,6 +60,8 @@ from vllm_gemma_qat.substitute import Substitution
 
 KV_CACHE_MODULE = "tpu_inference.runner.kv_cache_manager"
 MODEL_MODULE = "tpu_inference.models.jax.gemma4"
+DRAFTER_MODULE = "tpu_inference.models.jax.gemma4_mtp"
+PROPOSER_MODULE = "tpu_inference.spec_decode.jax.eagle3"
 LABEL = f"vllm-gemma-qat (--load-format {LOAD_FORMAT} only, sliding-window KV)"
 
 # Under the "vllm" logger so the lines show in vLLM's own log output.
@@ -62,6 +72,12 @@ logger = init_logger(f"vllm.{__name__}")
 _place = contextvars.ContextVar("gemma_qat_kv_row_place", default=None)
 # K/V written to each row so far in the model call being traced.
 _row_kv = contextvars.ContextVar("gemma_qat_kv_row_kv", default=None)
+# What the drafter's layers of each kind read, set when the engine's KV cache
+# is initialized (one model per engine process): "sliding" / "full" ->
+# DraftRead.
+_draft_reads: dict = {}
+# The DraftRead of the draft layer whose attention is being traced.
+_draft_read = contextvars.ContextVar("gemma_qat_draft_read", default=None)
 
 
 def install() -> None:
@@ -69,12 +85,22 @@ def install() -> None:
                                optional=True)
     substitute.apply_on_import(MODEL_MODULE, model_substitutions, LABEL,
                                optional=True)
+    substitute.apply_on_import(DRAFTER_MODULE, drafter_substitutions, LABEL,
+                               optional=True)
+    substitute.apply_on_import(PROPOSER_MODULE, proposer_substitutions,
+                               LABEL, optional=True)
 
 
 class RowPlace(NamedTuple):
     owner: int  # the layer whose cache row this is
     slot: int  # which head-dim slice of the row
     slots: int  # slots per row
+
+
+class DraftRead(NamedTuple):
+    table: int  # which of the interleaved block tables
+    tables: int  # how many are interleaved
+    place: RowPlace | None  # None: a full layer's cache
 
 
 @dataclass(frozen=True)
@@ -145,12 +171,19 @@ def _upstream_packs() -> bool:
     return hasattr(kv_share, "compute_sliding_window_kv_rows")
 
 
-def _model_side_installed() -> bool:
+def _installed(table: list[Substitution]) -> bool:
     try:
-        return all(substitute.installed(s.target)
-                   for s in model_substitutions())
+        return all(substitute.installed(s.target) for s in table)
     except substitute.MissingTarget:
         return False
+
+
+def _model_side_installed() -> bool:
+    return _installed(model_substitutions())
+
+
+def _drafter_side_installed() -> bool:
+    return _installed(drafter_substitutions() + proposer_substitutions())
 
 
 def _full_context(why: str) -> None:
@@ -176,16 +209,21 @@ def _active_layout(manager) -> RowLayout | None:
     if layout is None:
         return None
     parallel = vllm_config.parallel_config
-    if runner.speculative_config is not None:
-        _full_context("with a speculative drafter (the Gemma 4 assistant "
-                      "reads the target's cache through one block table)")
-    elif parallel.pipeline_parallel_size > 1:
+    if parallel.pipeline_parallel_size > 1:
         _full_context("under pipeline parallelism")
     elif getattr(parallel, "decode_context_parallel_size", 1) > 1:
         _full_context("under decode context parallelism")
     elif not _model_side_installed():
         _full_context("(this tpu-inference's Gemma4Attention differs from "
                       "0.32's; the model side was not applied)")
+    elif runner.speculative_config is None:
+        return layout
+    elif not runner.speculative_config.use_gemma4_mtp():
+        _full_context("with a drafter other than the Gemma 4 assistant")
+    elif not _drafter_side_installed():
+        _full_context("with the Gemma 4 assistant (this tpu-inference's "
+                      "drafter differs from 0.32's; the drafter side was "
+                      "not applied)")
     else:
         return layout
     return None
@@ -213,11 +251,15 @@ def _row_specs(get_kv_cache_spec):
             else:
                 del specs[name]
                 self.shared_kv_cache_layers[name] = f"layer.{owner}"
+        self.gemma_qat_draft_places = {}
         for name, source in list(self.shared_kv_cache_layers.items()):
-            owner, _ = layout.place.get(int(source.split(".")[1]),
-                                        (None, None))
-            if owner is not None:
-                self.shared_kv_cache_layers[name] = f"layer.{owner}"
+            place = layout.place.get(int(source.split(".")[1]))
+            if name.startswith("draft_layer."):  # the assistant's layers
+                self.gemma_qat_draft_places[name] = (
+                    None if place is None
+                    else RowPlace(*place, layout.slots_per_row))
+            if place is not None:
+                self.shared_kv_cache_layers[name] = f"layer.{place[0]}"
         rows = sum(1 for _, slot in layout.place.values() if slot == 0)
         logger.info(
             "gemma_qat: sliding-window KV (#3220): %d sliding layers in %d "
@@ -256,8 +298,26 @@ def _shared_arrays_and_groups(initialize_kv_cache):
         for name, owner in self.shared_kv_cache_layers.items():
             if name not in group_of and owner in group_of:
                 group_of[owner].layer_names.append(name)
+        _read_for_the_drafter(self, groups)
 
     return wrapped
+
+
+def _read_for_the_drafter(manager, groups) -> None:
+    """Which block tables the assistant's layers read (the groups of its
+    sources), and where: `manager.gemma_qat_draft_groups` for the proposer,
+    `_draft_reads` for the draft layers' attention."""
+    _draft_reads.clear()
+    places = getattr(manager, "gemma_qat_draft_places", {})
+    gid = {name: i for i, g in enumerate(groups) for name in g.layer_names}
+    used = sorted({gid[name] for name in places})
+    manager.gemma_qat_draft_groups = used
+    for name, place in places.items():
+        kind = "full" if place is None else "sliding"
+        read = DraftRead(used.index(gid[name]), len(used), place)
+        # Every draft layer of a kind reads the target's last layer of that
+        # kind (kv_share.compute_mtp_kv_share_map).
+        assert _draft_reads.setdefault(kind, read) == read, (kind, read)
 
 
 # ---------------------------------------------------------------- model side
@@ -357,5 +417,90 @@ def _row_attention(attention):
         new_cache, out = attention(kv_cache, in_slot(q), k_row, v_row, *args,
                                    update_kv_cache=update_kv_cache, **kwargs)
         return new_cache, out[..., slot * dim:(slot + 1) * dim]
+
+    return wrapped
+
+
+# -------------------------------------------------------------- drafter side
+
+def drafter_substitutions() -> list[Substitution]:
+    return [
+        Substitution(f"{DRAFTER_MODULE}:Gemma4MTPAttention.__call__",
+                     _reading_its_source, "#3220: a draft layer reads the "
+                     "block table and slot of the target layer it shares",
+                     wraps=True),
+        Substitution(f"{DRAFTER_MODULE}:attention", _draft_attention,
+                     "#3220: a draft layer attends with its group's block "
+                     "table, in its source's slot of a packed row",
+                     wraps=True),
+    ]
+
+
+def proposer_substitutions() -> list[Substitution]:
+    return [Substitution(
+        f"{PROPOSER_MODULE}:Eagle3Proposer.propose", _with_drafter_tables,
+        "#3220: the drafter gets the block tables of every group it reads "
+        "(interleaved per request), not only the last group's", wraps=True)]
+
+
+def _reading_its_source(call):
+
+    @functools.wraps(call)
+    def __call__(self, *args, **kwargs):
+        read = _draft_reads.get("sliding" if self.is_sliding else "full")
+        token = _draft_read.set(read)
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            _draft_read.reset(token)
+
+    return __call__
+
+
+def _draft_attention(attention):
+    in_row = _row_attention(attention)
+
+    @functools.wraps(attention)
+    def wrapped(kv_cache, q, k, v, md, *args, **kwargs):
+        read = _draft_read.get()
+        if read is None:
+            return attention(kv_cache, q, k, v, md, *args, **kwargs)
+        from dataclasses import replace
+        num_reqs = md.seq_lens.shape[0]
+        tables = md.block_tables.reshape(num_reqs, read.tables, -1)
+        md = replace(md, block_tables=tables[:, read.table].reshape(-1))
+        token = _place.set(read.place)
+        try:
+            return in_row(kv_cache, q, k, v, md, *args, **kwargs)
+        finally:
+            _place.reset(token)
+
+    return wrapped
+
+
+def _with_drafter_tables(propose):
+    import inspect
+    signature = inspect.signature(propose)
+
+    @functools.wraps(propose)
+    def wrapped(self, *args, **kwargs):
+        groups = getattr(self.runner.kv_cache_manager,
+                         "gemma_qat_draft_groups", None)
+        if not groups:
+            return propose(self, *args, **kwargs)
+        import numpy as np
+        from dataclasses import replace
+        from jax.sharding import PartitionSpec
+        from tpu_inference.layers.common.sharding import ShardingAxisName
+        from tpu_inference.utils import device_array
+        bound = signature.bind(self, *args, **kwargs)
+        block_table = self.runner.input_batch.block_table
+        tables = np.stack([block_table[g].get_cpu_tensor() for g in groups],
+                          axis=1).reshape(-1)
+        bound.arguments["attn_metadata"] = replace(
+            bound.arguments["attn_metadata"], block_tables=device_array(
+                self.mesh, tables,
+                sharding=PartitionSpec(ShardingAxisName.ATTN_DATA)))
+        return propose(*bound.args, **bound.kwargs)
 
     return wrapped
