@@ -194,6 +194,17 @@ def prefix_cache_rerun(server, model, prompt, n=8):
     return hits, first, second
 
 
+def next_turn_hits(server, model, prompt, n, tail):
+    """An agent's next turn: `prompt` answered (n tokens), then its prompt
+    ids + answer ids + `tail` (ids) sent as the next prompt. Returns (turn
+    1 prompt length, answer length, prefix-cache hit tokens of turn 2)."""
+    prompt_ids, answer = complete(server, model, prompt, n=n)
+    before = server.metrics().get("vllm:prefix_cache_hits_total", 0)
+    complete(server, model, prompt_ids + answer + list(tail), n=1)
+    hits = server.metrics()["vllm:prefix_cache_hits_total"] - before
+    return len(prompt_ids), len(answer), int(hits)
+
+
 TOOL_CALL_SCHEMA = {
     "type": "object",
     "properties": {"tool": {"type": "string", "enum": ["search", "read"]},

@@ -16,7 +16,7 @@ import pytest
 import numpy as np
 
 from harness import (fp8_flip_allowance, hf_greedy, hf_token_logprobs,
-                     streamed_tool_calls)
+                     next_turn_hits, streamed_tool_calls)
 from vllm_gemma_qat import quantization
 from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import agent
@@ -106,6 +106,21 @@ def test_tool_result_turn_continues_the_conversation(served):
     assert not choice["message"].get("tool_calls")
     hello = chat(served, [{"role": "user", "content": "Hello!"}])
     assert hello["choices"][0]["message"]["content"] == "Hello! Ask me."
+
+
+def test_next_turn_hits_the_prefix_cache_up_to_the_previous_prompt(served):
+    # vLLM's defaults (--prefix-cache-retention-interval 0): a sliding
+    # window group keeps blocks for prefix caching at the end of each prompt
+    # only, so the next turn of a conversation whose contexts run past the
+    # 32-token window hits up to the previous prompt, not through the
+    # answer (with an interval, through it: test_serve_e2e).
+    server, _, model, _ = served
+    prompt, answer, hits = next_turn_hits(
+        server, model, "Turn one of an agent's session, window 32. " * 3,
+        40, [agent.tiny_id("<turn|>")])
+    print("turn 1:", prompt, "+", answer, "tokens; turn 2 hits", hits)
+    assert prompt + answer > (prompt // 16 + 2) * 16  # an answer page more
+    assert hits == (prompt - 1) // 16 * 16, (prompt, answer, hits)
 
 
 def test_greedy_tokens_equal_transformers_on_every_trained_turn(served):

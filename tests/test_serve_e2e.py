@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from harness import complete, guided_tool_call, hf_greedy
+from harness import complete, guided_tool_call, hf_greedy, next_turn_hits
 from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import tiny
 
@@ -23,6 +23,7 @@ def served(tmp_path_factory):
     # A random model loves whitespace; JSON without it stays short.
     with CpuServer(root / "model", "--structured-outputs-config",
                    '{"backend": "xgrammar", "disable_any_whitespace": true}',
+                   "--prefix-cache-retention-interval", str(PAGE),
                    log=root / "server.log") as server:
         yield server, hf, root / "model"
 
@@ -189,3 +190,17 @@ def test_pages_past_the_window_are_freed_answers_stay_right(served):
     # held). Rows at full context would hold 3x the full layer's.
     assert max(used) <= full + len(prompts) * SLIDING_ROWS * 4, (used, full)
     assert max(used) >= full / 2, (max(used), full)  # the gauge saw the run
+
+
+def test_next_turn_hits_through_the_answer_with_a_retention_interval(served):
+    """vLLM keeps a sliding-window group's blocks for prefix caching at
+    checkpoints only (`--prefix-cache-retention-interval`): by default the
+    end of each prompt, so an agent's next turn hits up to its previous
+    prompt only (test_serve_agent); with an interval of one page (this
+    server) at every page, so it hits through the previous answer too."""
+    server, _, model = served
+    prompt, answer, hits = next_turn_hits(
+        server, model, "Turn one of an agent's session, window 8. " * 3, 40,
+        b"Turn two.")
+    print("turn 1:", prompt, "+", answer, "tokens; turn 2 hits", hits)
+    assert hits == (prompt + answer) // PAGE * PAGE, (prompt, answer, hits)

@@ -8,6 +8,7 @@ plugin steps aside."""
 import importlib.metadata
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,39 +24,39 @@ PATCHES = sorted((ROOT / "patches").glob("*.patch"))
 PINNED = "0.32.0"
 UPSTREAM_TESTS = "tests/models/jax/test_gemma4_kv_share.py"
 # Patches that add a test file of their own: (patch, test file, files the
-# fix touches).
+# fix touches, how many tests pass: the count patches/README.md states).
 NEW_TEST_FILES = {
     "0002-Gemma4-Image-steps-keep-token-ids-with-the-embeddings.patch": (
         "tests/models/jax/test_gemma4_mm_inputs.py",
         ("tpu_inference/runner/tpu_runner.py",
          "tpu_inference/runner/compilation_manager.py",
-         "tpu_inference/models/jax/gemma4_mm.py")),
+         "tpu_inference/models/jax/gemma4_mm.py"), 7),
     "0003-Runner-Restore-resumed-requests-output-tokens-under-async.patch": (
         "tests/runner/test_persistent_batch_manager_async.py",
         ("tpu_inference/runner/persistent_batch_manager.py",
-         "tpu_inference/runner/tpu_runner.py")),
+         "tpu_inference/runner/tpu_runner.py"), 2),
     "0004-Weights-Clear-JAX-caches-once-per-load-not-per-module.patch": (
         "tests/models/jax/test_weight_loading_compiles.py",
-        ("tpu_inference/models/jax/utils/weight_utils.py", )),
+        ("tpu_inference/models/jax/utils/weight_utils.py", ), 1),
     "0005-Weights-Load-floating-point-weights-in-the-model-dtype.patch": (
         "tests/models/jax/test_weight_loading_dtype.py",
-        ("tpu_inference/models/jax/utils/weight_utils.py", )),
+        ("tpu_inference/models/jax/utils/weight_utils.py", ), 4),
     "0006-Spec-decode-Load-the-drafter-with-draft_load_config.patch": (
         "tests/models/common/test_model_loader_draft_load_config.py",
-        ("tpu_inference/models/common/model_loader.py", )),
+        ("tpu_inference/models/common/model_loader.py", ), 3),
     "0007-Spec-decode-Build-the-drafter-with-its-own-quantization-config"
     ".patch": (
         "tests/models/common/test_model_loader_draft_quantization.py",
         ("tpu_inference/models/common/model_loader.py",
-         "tpu_inference/layers/jax/quantization/__init__.py")),
+         "tpu_inference/layers/jax/quantization/__init__.py"), 4),
     "0008-Gemma4-Sliding-window-aware-KV-cache.patch": (
         "tests/models/jax/test_gemma4_sliding_window_kv.py",
         ("tpu_inference/runner/kv_cache_manager.py",
          "tpu_inference/models/jax/gemma4.py",
-         "tpu_inference/models/common/kv_share.py")),
+         "tpu_inference/models/common/kv_share.py"), 8),
     "0009-Spec-decode-No-async-placeholder-for-discarded-samples.patch": (
         "tests/runner/test_tpu_runner_spec_decode_placeholders.py",
-        ("tpu_inference/runner/tpu_runner.py", )),
+        ("tpu_inference/runner/tpu_runner.py", ), 2),
 }
 
 
@@ -148,7 +149,7 @@ def test_patch_own_tests_pass_against_patched_copy(patched):
                     + tests)
     out = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", file], patched)
     assert out.returncode == 0, out.stdout[-4000:]
-    assert "2 passed" in out.stdout
+    assert re.search(r"^2 passed\b", out.stdout, re.M), out.stdout[-2000:]
 
 
 def test_plugin_detects_fixed_tpu_inference_and_still_loads(patched, tiny_models):
@@ -170,7 +171,7 @@ def test_plugin_detects_fixed_tpu_inference_and_still_loads(patched, tiny_models
 @pytest.mark.parametrize("patch_name", sorted(NEW_TEST_FILES))
 def test_new_test_files_of_later_patches_pass_against_patched_copy(
         patched, patch_name):
-    tests, touched = NEW_TEST_FILES[patch_name]
+    tests, touched, count = NEW_TEST_FILES[patch_name]
     text = (ROOT / "patches" / patch_name).read_text()
     for path in touched:
         assert f"diff --git a/{path} b/{path}" in text
@@ -179,4 +180,5 @@ def test_new_test_files_of_later_patches_pass_against_patched_copy(
     file.write_text(new_file(text, tests))
     out = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", file], patched)
     assert out.returncode == 0, out.stdout[-4000:]
-    assert " passed" in out.stdout and "failed" not in out.stdout
+    assert re.search(rf"^{count} passed\b", out.stdout, re.M) \
+        and "failed" not in out.stdout, out.stdout[-2000:]
