@@ -77,3 +77,79 @@ def test_geometries_that_do_not_pack_keep_the_full_context():
                                       "bf16", 1, 16) is None
     # No sliding window at all.
     assert row_layout(_Attrs(dict(text, sliding_window=None))) is None
+
+
+def test_draft_layers_read_their_source_slot_through_their_groups_table():
+    """The assistant's attention under sliding-window KV
+    (`_draft_attention` over tpu-inference's `attention`, CPU mode's
+    kernel), two requests: a draft layer whose source sits in slot 1 of a
+    packed row, its group's block table second of two interleaved per
+    request, gets what the same query gets over its source's own cache and
+    table; a full draft layer (no slot) the first table's. The spec-decode
+    servers' assistant reads slot 0 only."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from tpu_inference.kernels.ragged_paged_attention.v3.kernel import \
+        get_kv_cache_shape
+    from tpu_inference.layers.common.attention_interface import attention
+    from tpu_inference.layers.common.attention_metadata import \
+        AttentionMetadata
+
+    from vllm_gemma_qat import cpu
+    from vllm_gemma_qat.fixes import sliding_window as sw
+    from vllm_gemma_qat.testing import runner
+
+    page, dim, window, per_request = 16, 128, 8, 6
+    rng = np.random.RandomState(0)
+    shape = get_kv_cache_shape(32, page, 1, dim, jnp.float32)
+    source, partner, full = (jnp.asarray(rng.randn(*shape), jnp.float32)
+                             for _ in range(3))
+    row = jnp.concatenate([partner, source], axis=-1)  # [slot 0 | slot 1]
+    seq_lens = np.array([40, 70], np.int32)
+    # Each group's pages for each request (a block id belongs to one group).
+    tables = [np.array([[0, 1, 2, 0, 0, 0], [3, 4, 5, 6, 7, 0]]),
+              np.array([[20, 9, 17, 0, 0, 0], [8, 30, 12, 25, 11, 0]])]
+    interleaved = np.stack(tables, axis=1).reshape(-1)
+
+    def metadata(block_tables):
+        return AttentionMetadata(
+            input_positions=jnp.asarray(seq_lens - 1),
+            block_tables=jnp.asarray(block_tables, jnp.int32),
+            seq_lens=jnp.asarray(seq_lens),
+            query_start_loc=jnp.array([0, 1, 2], jnp.int32),
+            request_distribution=jnp.array([0, 0, 2], jnp.int32))
+
+    q = jnp.asarray(rng.randn(2, 2, dim), jnp.float32)
+    kv = jnp.zeros((2, 1, dim), jnp.float32)  # a draft layer writes nothing
+    mesh = runner.mesh()
+    draft_attention = sw._draft_attention(attention)
+    place = sw.RowPlace(owner=2, slot=1, slots=2)
+    cases = [  # (what the draft layer reads, window) -> its own cache, table
+        ((sw.DraftRead(1, 2, place), window), (source, tables[1])),
+        ((sw.DraftRead(0, 2, None), None), (full, tables[0]))]
+    with cpu.kernels(), jax.set_mesh(mesh):
+        for (read, chunk), (own, table) in cases:
+            _, want = attention(own, q, kv, kv, metadata(table.reshape(-1)),
+                                mesh, sm_scale=dim**-0.5,
+                                attention_chunk_size=chunk,
+                                update_kv_cache=False)
+            token = sw._draft_read.set(read)
+            try:
+                cache = row if read.place else full
+                _, got = draft_attention(cache, q, kv, kv,
+                                         metadata(interleaved), mesh,
+                                         sm_scale=dim**-0.5,
+                                         attention_chunk_size=chunk,
+                                         update_kv_cache=False)
+            finally:
+                sw._draft_read.reset(token)
+            assert np.isfinite(want).all()
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+            # The other table (or slot) reads other keys.
+            wrong = tables[1 - read.table].reshape(-1)
+            _, other = attention(own, q, kv, kv, metadata(wrong), mesh,
+                                 sm_scale=dim**-0.5,
+                                 attention_chunk_size=chunk,
+                                 update_kv_cache=False)
+            assert not np.allclose(other, want)
