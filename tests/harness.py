@@ -253,3 +253,30 @@ def streamed_tool_calls(server, body: dict):
     return ([(name, json.loads(arguments))
              for _, (name, arguments) in sorted(parts.items())],
             finish, chunks)
+
+
+def streamed_arrivals(server, path: str, body: dict):
+    """A streamed request's chunks as they arrive: (the monotonic time of
+    each chunk that carries a token, the token ids, their logprobs; the
+    last two where the request returns them)."""
+    import json
+    import time
+    import urllib.request
+    request = urllib.request.Request(
+        server.url + path, json.dumps(body | {"stream": True}).encode(),
+        {"Content-Type": "application/json"})
+    times, tokens, logprobs = [], [], []
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for line in response:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            ids = choice.get("token_ids") or []
+            if ids or choice.get("text") or (choice.get("delta") or {}).get(
+                    "content"):
+                times.append(time.monotonic())
+            tokens += ids
+            logprobs += (choice.get("logprobs") or {}).get(
+                "token_logprobs") or []
+    return times, tokens, logprobs

@@ -33,9 +33,8 @@ def test_token_ids_kept_with_image_embeds_for_gemma_qat_only(installed,
                        vllm_config=_config(load_format))
     runner.embed_input_ids_fn.return_value = jnp.ones((3, 8))
     ids = jnp.array([5, 7, 9], jnp.int32)
-    got_ids, embeds = TPUModelRunner._get_input_ids_embeds(
+    got_ids, _ = TPUModelRunner._get_input_ids_embeds(
         runner, ids, [jnp.zeros((2, 8))], jnp.array([False, True, True]))
-    assert embeds.shape == (3, 8)
     if load_format == "gemma_qat":
         np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(ids))
     else:

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from harness import complete, hf_greedy
+from harness import complete, hf_greedy, streamed_arrivals
 from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import tiny_mm
 
@@ -42,14 +42,19 @@ def served(tmp_path_factory):
         yield server, hf, processor, root / "model"
 
 
+def image_body(model, image_uri, text="What is in the image?", n=8,
+               **extra) -> dict:
+    return {"model": str(model), "temperature": 0, "max_tokens": n,
+            "ignore_eos": True, "return_token_ids": True, "messages": [{
+                "role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": image_uri}},
+                    {"type": "text", "text": text}]}], **extra}
+
+
 def image_chat(server, model, image_uri, text="What is in the image?", n=8,
                **extra):
-    return server.post("/v1/chat/completions", {
-        "model": str(model), "temperature": 0, "max_tokens": n,
-        "ignore_eos": True, "return_token_ids": True, "messages": [{
-            "role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": image_uri}},
-                {"type": "text", "text": text}]}], **extra})
+    return server.post("/v1/chat/completions",
+                       image_body(model, image_uri, text, n, **extra))
 
 
 def text_only(tokens):
@@ -95,32 +100,40 @@ def test_text_decoding_beside_an_image_prefill_is_unchanged(served):
     # token of the step with token id 0's per-layer inputs, so a text
     # request decoding in that step changed.
     server, hf, _, model = served
-    prompt, n = "A text request decoding next to an image.", 48
+    prompt, n = "A text request decoding next to an image.", 96
+    body = {"model": str(model), "prompt": prompt, "max_tokens": n,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "logprobs": 1}
 
     def text_run():
-        r = server.post("/v1/completions", {
-            "model": str(model), "prompt": prompt, "max_tokens": n,
-            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-            "logprobs": 1})
-        choice = r["choices"][0]
+        choice = server.post("/v1/completions", body)["choices"][0]
         return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
     solo_tokens, solo_logprobs = text_run()
-    before = server.metrics().get("vllm:prompt_tokens_total", 0)
+    assert len(solo_tokens) == len(solo_logprobs) == n
+    generated = server.metrics().get("vllm:generation_tokens_total", 0)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        text = pool.submit(text_run)
-        # Let the text request reach its decode phase, then send the image.
+        # The same request streamed (its tokens' arrival times), then, once
+        # it decodes, the image chat streamed (its first token arrives when
+        # its prefill step is done).
+        text = pool.submit(streamed_arrivals, server, "/v1/completions", body)
         deadline = time.time() + 120
-        while (server.metrics().get("vllm:generation_tokens_total", 0) == 0
-               or server.metrics().get("vllm:num_requests_running", 0) < 1):
+        while server.metrics().get("vllm:num_requests_running", 0) < 1 \
+                or server.metrics().get("vllm:generation_tokens_total",
+                                        0) <= generated:
             assert time.time() < deadline
             time.sleep(0.05)
-        image = pool.submit(image_chat, server, model,
-                            tiny_mm.png_data_uri(3))
-        tokens, logprobs = text.result()
-        image.result()
-    # Both prompts went through the engine while the text request ran.
-    assert server.metrics()["vllm:prompt_tokens_total"] > before
+        image = pool.submit(streamed_arrivals, server, "/v1/chat/completions",
+                            image_body(model, tiny_mm.png_data_uri(3)))
+        (text_times, tokens, logprobs), (image_times, _, _) = (
+            text.result(), image.result())
+    # The text request decoded before and after the image's prefill step: it
+    # was running then, so that step carried its decode token too (the
+    # scheduler runs every running request each step; the image's 70 soft
+    # tokens fit one 128-token step with chunked MM input off).
+    prefill_done = image_times[0]
+    assert min(text_times) < prefill_done < max(text_times), (
+        text_times, prefill_done)
     assert tokens == solo_tokens
     assert max(abs(a - b) for a, b in zip(logprobs, solo_logprobs)) < 1e-3
 
