@@ -379,6 +379,39 @@ def test_rpa_comparison_rejects_a_wrong_reference():
             case, values), wrong
 
 
+def test_rpa_scales_told_apart_from_a_tenth_off():
+    """The bf16 tolerance above is a worst-case bound (6 roundings of
+    max|v|) that a 10% error in q_scale stays under (max error 0.117 vs
+    0.132 on the fp8 case). Here the kernel's output on the scaled fp8 case
+    is held to the right scales: its rms distance to the reference is under
+    a third of its distance to the reference with any one of q / k / v
+    scale 10% off (measured: 0.0023 vs >= 0.0106). Also the wrong-window
+    references, as above, for this bf16 case."""
+    case = CI_CASES[2]
+    assert case.dtype == "bfloat16" and case.scales and case.sliding_window
+    if case not in _results:
+        inputs = _inputs(case)
+        _results[case] = (inputs, *sharded_rpa(case, inputs, "interpret"))
+    inputs, out, _ = _results[case]
+    live = _live(case, out)
+
+    def rms(ref):
+        return float(np.sqrt(np.mean((live - ref) ** 2)))
+
+    right = rms(dense_attention(case, inputs)[0])
+    for name, _ in case.scales:
+        for factor in (0.9, 1.1):
+            wrong = dataclasses.replace(case, scales=tuple(
+                (n, v * factor if n == name else v) for n, v in case.scales))
+            assert 3 * right < rms(dense_attention(wrong, inputs)[0]), (
+                name, factor)
+    values = inputs[3].astype(np.float64)
+    for wrong in (dataclasses.replace(case, sliding_window=9),
+                  dataclasses.replace(case, sliding_window=None)):
+        ref, _ = dense_attention(wrong, inputs)
+        assert np.abs(live - ref).max() > 10 * tolerance(case, values), wrong
+
+
 # The kernel on a mesh: KV heads fewer than TP, which tpu-inference's
 # shard_map meets by repeating K/V heads (E2B's one KV head at TP=2). A
 # process of its own, with two CPU devices.
