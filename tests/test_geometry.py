@@ -173,3 +173,54 @@ def test_indivisible_int4_groups_name_module_groups_and_tp(tmp_path):
     geometry.check_tensor_parallel(report, {down}, 64)  # 192 = 3 x 64
     # bf16 modules (not in the int4 set) are not constrained.
     geometry.check_tensor_parallel(report, {q}, 128)
+
+
+def _documented_e2b(layout: str) -> dict[str, list[int]]:
+    """E2B's language-model tensors and shapes as ../shared/GEMMA4_FACTS.md
+    lists them ("Tensor names": 35 layers, the last 20 KV-shared, every
+    fifth a full layer, double-wide MLP on shared layers), written out here
+    by hand, independently of `Geometry.expected` (which generates the
+    synthetic fixtures)."""
+    hidden, heads, layers, per_layer, vocab = 1536, 8, 35, 256, 262144
+    shared = range(layers - 20, layers)
+    out = {"embed_tokens.weight": [vocab, hidden],
+           "embed_tokens_per_layer.weight": [vocab, layers * per_layer],
+           "per_layer_model_projection.weight": [layers * per_layer, hidden],
+           "per_layer_projection_norm.weight": [per_layer],
+           "norm.weight": [hidden]}
+    for i in range(layers):
+        hd = 512 if i % 5 == 4 else 256
+        mlp = 12288 if i in shared else 6144
+        p = f"layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm",
+                     "pre_feedforward_layernorm", "post_feedforward_layernorm",
+                     "post_per_layer_input_norm"):
+            out[f"{p}{norm}.weight"] = [hidden]
+        out[f"{p}layer_scalar"] = [1]
+        out[f"{p}self_attn.q_proj.weight"] = [heads * hd, hidden]
+        out[f"{p}self_attn.o_proj.weight"] = [hidden, heads * hd]
+        out[f"{p}self_attn.q_norm.weight"] = [hd]
+        if layout == "regular" or i not in shared:
+            out[f"{p}self_attn.k_proj.weight"] = [hd, hidden]
+            out[f"{p}self_attn.v_proj.weight"] = [hd, hidden]
+            out[f"{p}self_attn.k_norm.weight"] = [hd]
+        out[f"{p}mlp.gate_proj.weight"] = [mlp, hidden]
+        out[f"{p}mlp.up_proj.weight"] = [mlp, hidden]
+        out[f"{p}mlp.down_proj.weight"] = [hidden, mlp]
+        out[f"{p}per_layer_input_gate.weight"] = [per_layer, hidden]
+        out[f"{p}per_layer_projection.weight"] = [hidden, per_layer]
+    return out
+
+
+@pytest.mark.parametrize("layout,count", [("regular", 600), ("qat", 540)])
+def test_full_size_fixture_is_the_documented_e2b(tmp_path, layout, count):
+    # The synthetic full-size E2B (what test_preflight, test_checkpoint and
+    # test_hub_preflight check) against the tensor list written out from
+    # the facts, not from the code under test: names and shapes.
+    documented = _documented_e2b(layout)
+    assert len(documented) == count  # the facts' own count
+    path = synthetic.write_header_only(tmp_path, "e2b", layout)
+    lm = {name.removeprefix(LM): list(info.shape)
+          for name, info in open_checkpoint(path).tensors.items()
+          if name.startswith(LM)}
+    assert lm == documented
