@@ -280,3 +280,15 @@ def streamed_arrivals(server, path: str, body: dict):
             logprobs += (choice.get("logprobs") or {}).get(
                 "token_logprobs") or []
     return times, tokens, logprobs
+
+
+def refusal(server, path: str, body: dict) -> tuple[int, str]:
+    """(HTTP status, error message) of a request the server must refuse."""
+    import json
+    import urllib.error
+    try:
+        server.post(path, body)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}").get("error", {}).get(
+            "message", "")
+    raise AssertionError(f"{path} {body} was served")

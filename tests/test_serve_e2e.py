@@ -8,7 +8,8 @@ import threading
 import time
 
 import pytest
-from harness import complete, guided_tool_call, hf_greedy, next_turn_hits
+from harness import (complete, guided_tool_call, hf_greedy, next_turn_hits,
+                     refusal)
 from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import tiny
 
@@ -204,3 +205,17 @@ def test_next_turn_hits_through_the_answer_with_a_retention_interval(served):
         b"Turn two.")
     print("turn 1:", prompt, "+", answer, "tokens; turn 2 hits", hits)
     assert hits == (prompt + answer) // PAGE * PAGE, (prompt, answer, hits)
+
+
+def test_prompt_logprobs_are_a_named_400_and_the_engine_serves_on(served):
+    # tpu-inference 0.32's runner raises in the engine on prompt_logprobs
+    # for a multimodal model (every Gemma 4 export): the engine died and
+    # every open request got a 500 (fixes/request_checks.py).
+    server, hf, model = served
+    status, message = refusal(server, "/v1/completions", {
+        "model": str(model), "prompt": "Score me.", "max_tokens": 1,
+        "prompt_logprobs": 0})
+    assert status == 400, message
+    assert "prompt_logprobs is not supported for multimodal models" in message
+    prompt_ids, tokens = complete(server, model, "Still serving?", n=6)
+    assert tokens == hf_greedy(hf, prompt_ids, 6)

@@ -5,14 +5,19 @@ step (the tiny E2B-like bf16 QAT checkpoint: 10 layers, 5 of them
 KV-shared). Greedy tokens equal transformers, a rerun hits the prefix
 cache, the shared layers' calls leave the cache to their source layers.
 
+An fp32 server with an fp8_e5m2 cache: prompt logprobs within the derived
+bound of transformers with K/V rounded as tpu-inference stores them.
+
 The int4 (w4a16) server, the real gmm_v2 too, takes ~4 minutes of one
 worker: opt-in with VLLM_GEMMA_QAT_FULL_KERNEL_TESTS=1."""
 import os
 import re
 import time
 
+import numpy as np
 import pytest
-from harness import complete, hf_greedy
+from harness import (complete, fp8_flip_allowance, hf_greedy,
+                     hf_token_logprobs)
 
 from vllm_gemma_qat.cpu import CPU_KERNELS_ENV
 from vllm_gemma_qat.cpu.server import CpuServer
@@ -91,3 +96,40 @@ def test_w4a16_serves_with_the_real_attention_and_int4_kernels(tmp_path):
     print(*(" ".join(c) for c in compiles), sep="\n")
     names = {name for name, _ in compiles}
     assert names == {"ragged_paged_attention", "gmm_v2"}, names
+
+
+def test_fp8_cache_with_the_real_attention_kernel(tmp_path):
+    """The real RPA on an fp8_e5m2 cache under sliding-window KV (window 8,
+    two sliding layers per 256-wide row, a 96-token prompt prefilled in
+    32-token steps: each step's kernel call starts at its window's page and
+    masks what lies before the window there): every prompt logprob within
+    1e-4, plus what K/V elements within fp32 error of an fp8 midpoint can
+    move, of transformers with K/V so rounded (test_serve_agent's bound)."""
+    # Text-only: tpu-inference serves no prompt logprobs for a multimodal
+    # model (a 400 under gemma_qat: fixes/request_checks.py).
+    hf = tiny.save_servable(tmp_path / "model", multimodal=False)
+    ids = [int(i) for i in np.random.RandomState(5).randint(6, 262, 96)]
+    with serve(tmp_path, tmp_path / "model", "--kv-cache-dtype",
+               "fp8_e5m2") as server:
+        r = server.post("/v1/completions", {
+            "model": str(tmp_path / "model"), "prompt": ids, "max_tokens": 1,
+            "temperature": 0, "prompt_logprobs": 0})
+        log = server.log.read_text()
+    assert "regular_attn_dtype=float8_e5m2" in log
+    assert "sliding-window KV (#3220)" in log
+    assert interpreted_compiles(log)
+    rows = r["choices"][0]["prompt_logprobs"][1:]
+    served = np.array([row[str(t)]["logprob"] for row, t in zip(rows, ids[1:])])
+    want = hf_token_logprobs(hf, ids, "float8_e5m2")
+    allowance, flips = fp8_flip_allowance(hf, ids, "float8_e5m2")
+    gap = np.abs(served - want)
+    print(f"fp8_e5m2, real RPA: max |served - transformers, same rounding| "
+          f"{gap.max():.3g}; bound 1e-4 + {flips} flips, at most "
+          f"{np.max(allowance):.3g}")
+    assert (gap <= 1e-4 + allowance).all(), gap.max()
+    # Exact K/V (no fp8 rounding) would be past the bound: the check sees
+    # the rounding.
+    exact = np.abs(hf_token_logprobs(hf, ids) - want)
+    print(f"... exact K/V: past the bound at {(exact > 1e-4 + allowance).sum()}"
+          f" of {exact.size} positions")
+    assert (exact > 1e-4 + allowance).any()

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import kv_pressure
-from harness import hf_greedy, streamed_tool_calls
+from harness import hf_greedy, refusal, streamed_tool_calls
 from vllm_gemma_qat import quantization
 from vllm_gemma_qat.cpu.server import CpuServer, metric_totals
 from vllm_gemma_qat.testing import agent, assistant
@@ -282,3 +282,20 @@ def test_preempted_requests_answer_right_with_speculation(served):
     # The drafter kept drafting, and some of it was accepted, throughout.
     assert got["drafts_total"] > 0 and got["accepted_tokens_total"] > 0, got
     print(config, "preemptions", preempted, "speculation", got)
+
+
+def test_prompt_logprobs_with_the_drafter_are_a_named_400(served):
+    # tpu-inference 0.32's runner raises in the engine on prompt_logprobs
+    # with speculative decoding: the engine died (fixes/request_checks.py).
+    server, model, _, config, _, _, requests = served
+    status, message = refusal(server, "/v1/completions", {
+        "model": model, "prompt": requests[0][0], "max_tokens": 1,
+        "prompt_logprobs": 0})
+    assert status == 400, message
+    assert "prompt_logprobs is not supported with speculative decoding" \
+        in message, config
+    assert server.post("/v1/completions", {
+        "model": model, "prompt": requests[0][0], "temperature": 0,
+        "max_tokens": len(requests[0][1]), "return_token_ids": True,
+        "skip_special_tokens": False})["choices"][0]["token_ids"] == \
+        requests[0][1]

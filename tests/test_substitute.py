@@ -1,7 +1,7 @@
 """The runtime substitutions, declared once: every target of the fixes
 (`vllm_gemma_qat.fixes`: kv-share, image steps, preemption, compile-once,
 the drafter's load config and quantization, sliding-window KV, discarded
-samples under speculation),
+samples under speculation, request checks),
 of preflight and of CPU mode exists in the installed tpu-inference; a
 missing target is named, never silently added; CPU mode refuses TPU
 machines."""
@@ -11,12 +11,12 @@ from vllm_gemma_qat import cpu, fixes, preflight, substitute
 from vllm_gemma_qat.fixes import (compile_once, discarded_samples,
                                   drafter_load, drafter_quantization,
                                   image_steps, kv_share, preemption,
-                                  sliding_window)
+                                  request_checks, sliding_window)
 from vllm_gemma_qat.substitute import MissingTarget, Substitution
 
 NAMES = ["kv_share", "image_steps", "preemption", "compile_once",
          "drafter_load", "drafter_quantization", "sliding_window",
-         "discarded_samples", "preflight", "CPU kernels", "CPU runtime"]
+         "discarded_samples", "request_checks", "preflight", "CPU kernels", "CPU runtime"]
 
 
 def tables():
@@ -29,6 +29,7 @@ def tables():
             "sliding_window": sliding_window.cache_substitutions()
             + sliding_window.model_substitutions(),
             "discarded_samples": discarded_samples.substitutions(),
+            "request_checks": request_checks.substitutions(),
             "preflight": preflight.substitutions(),
             "CPU kernels": cpu.kernel_substitutions(),
             "CPU runtime": cpu.runtime_substitutions()}

@@ -1,7 +1,8 @@
 """patches/ fixes tpu-inference itself (#3225; image steps; preemption;
 one cache clear per weight load; weights in the model's dtype; the
 speculative drafter's load config and quantization; sliding-window KV,
-#3220; no async placeholder for discarded samples under speculation):
+#3220; no async placeholder for discarded samples under speculation;
+prompt_logprobs refused where the runner cannot serve them):
 applied to a copy of the installed (pinned) tpu-inference, stock `auto`
 loads both layouts with no plugin, each patch's own tests pass, and the
 plugin steps aside."""
@@ -57,6 +58,9 @@ NEW_TEST_FILES = {
     "0009-Spec-decode-No-async-placeholder-for-discarded-samples.patch": (
         "tests/runner/test_tpu_runner_spec_decode_placeholders.py",
         ("tpu_inference/runner/tpu_runner.py", ), 2),
+    "0010-Platform-Refuse-prompt_logprobs-the-runner-cannot-serve.patch": (
+        "tests/platforms/test_tpu_platform_prompt_logprobs.py",
+        ("tpu_inference/platforms/tpu_platform.py", ), 4),
 }
 
 
