@@ -153,3 +153,36 @@ def test_draft_layers_read_their_source_slot_through_their_groups_table():
                                  attention_chunk_size=chunk,
                                  update_kv_cache=False)
             assert not np.allclose(other, want)
+
+
+@pytest.mark.parametrize("window,block,context,ahead", [
+    (512, 64, 32768, 2), (512, 256, 8192, 2), (512, 16, 131072, 1),
+    (8, 16, 200, 2), (8, 16, 20, 2), (32, 16, 100, 1)])
+def test_decode_blocks_equal_vllms_sliding_window_manager(window, block,
+                                                          context, ahead):
+    # plan's blocks per decoding agent in a sliding group against vLLM's own
+    # SlidingWindowManager: free what lies before the window, allocate
+    # `ahead` slots past the computed tokens, for every alignment of the
+    # window on a page up to `context`; the most held equals plan's.
+    import torch
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    spec = SlidingWindowSpec(block_size=block, num_kv_heads=1, head_size=256,
+                             dtype=torch.bfloat16, sliding_window=window)
+    pool = BlockPool(num_gpu_blocks=-(-(context + ahead) // block) + 2,
+                     enable_caching=False, hash_block_size=block)
+    manager = SlidingWindowManager(spec, block_pool=pool, enable_caching=False,
+                                   kv_cache_group_id=0,
+                                   scheduler_block_size=block)
+    held = 0
+    start = max(0, context - 2 * block)  # a prefill up to here, then decode
+    for computed in range(start, context + 1):
+        manager.remove_skipped_blocks("r", computed)
+        manager.allocate_new_blocks("r", computed + ahead, computed + ahead)
+        if computed > start:
+            held = max(held, sum(not b.is_null
+                                 for b in manager.req_to_blocks["r"]))
+    layout = plan.Layout(block, 1, full_groups=0, sliding_groups=1,
+                         window=window, sliding_window=True)
+    assert layout.blocks_decoding(context, ahead) == held

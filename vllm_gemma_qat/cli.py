@@ -341,6 +341,11 @@ def cmd_plan(args) -> int:
           f"{p.max_agents_at_context} agents at this context, max "
           f"{p.max_context_for_agents} tokens for {args.agents} agents "
           f"({p.kv_blocks_per_agent} blocks each, as vLLM counts them)")
+    if p.kv_sliding_window:
+        print(f"                        decoding, each holds "
+              f"{p.kv_blocks_per_agent_decoding} blocks: up to "
+              f"{p.max_agents_decoding_at_context} decode at once (vLLM "
+              "admits a new request only with its window's reserve free)")
     print(f"  every layer at full context (tpu-inference 0.32)   "
           f"{_gb(p.kv_total_bytes_full_context)}  "
           f"{'fits' if p.fits_full_context else 'does NOT fit'}; max "

@@ -88,11 +88,26 @@ class Layout:
     sliding_window: bool = False
 
     def blocks_per_agent(self, context: int, in_flight: int) -> int:
+        """What vLLM's concurrency figure (and its admission of a new
+        request) counts for a request at `context`."""
         full = self.full_groups * _cdiv(context, self.block_size)
         if not self.sliding_groups:
             return full
         held = min(self.window - 1 + in_flight, context)
         return full + self.sliding_groups * (_cdiv(held, self.block_size) + 1)
+
+    def blocks_decoding(self, context: int, ahead: int) -> int:
+        """What a request decoding at `context` holds at most, with `ahead`
+        token slots allocated past its computed tokens: vLLM frees a
+        sliding group's blocks wholly before its window, so a group holds
+        the pages of window - 1 + ahead tokens at the worst alignment."""
+        full = self.full_groups * _cdiv(context + ahead, self.block_size)
+        if not self.sliding_groups:
+            return full
+        span = self.window - 1 + ahead
+        window = min(_cdiv(context + ahead, self.block_size),
+                     _cdiv(span - 1, self.block_size) + 1)
+        return full + self.sliding_groups * window
 
 
 def full_context_layout(geo: Geometry, kv_dtype: str, tp: int,
@@ -211,7 +226,12 @@ class Plan:
     kv_block_size: int  # tokens per block (page)
     kv_block_bytes: int
     kv_pool_blocks: int
-    kv_blocks_per_agent: int
+    kv_blocks_per_agent: int  # as vLLM's concurrency figure counts them
+    # ... and what one holds while decoding (one token a step, two in
+    # flight with async scheduling): after admission, up to
+    # max_agents_decoding_at_context decode at once.
+    kv_blocks_per_agent_decoding: int
+    max_agents_decoding_at_context: int
     kv_total_bytes: int
     budget_bytes: int  # per chip; KV figures are per chip too
     # what vLLM logs as "TPU KV cache size" with --max-model-len = context
@@ -256,6 +276,7 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
     layout = sliding_window_layout(geo, kv_dtype, tp, block_size) \
         or full_context_layout(geo, kv_dtype, tp, block_size)
     in_flight = (2 if async_scheduling else 1) * max_num_batched_tokens
+    ahead = 2 if async_scheduling else 1  # decode slots allocated past it
     limit = geo.text.get("max_position_embeddings")
 
     def within_limit(tokens: int) -> int:
@@ -289,6 +310,9 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
         kv_block_bytes=layout.block_bytes,
         kv_pool_blocks=pool,
         kv_blocks_per_agent=blocks(context),
+        kv_blocks_per_agent_decoding=layout.blocks_decoding(context, ahead),
+        max_agents_decoding_at_context=usable // layout.blocks_decoding(
+            context, ahead),
         kv_total_bytes=agents * blocks(context) * layout.block_bytes,
         budget_bytes=budget,
         kv_cache_tokens=int(pool / blocks(context) * context),
