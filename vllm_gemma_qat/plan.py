@@ -23,9 +23,10 @@ for it: cdiv(min(window - 1 + in-flight tokens, T), B) + 1, where the
 in-flight tokens are 2 x --max-num-batched-tokens with async scheduling (an
 upper bound: a request shorter than that holds cdiv(T, B)).
 The Gemma 4 assistant (speculative decoding's MTP drafter) reads the
-target's cache and changes none of it (its k draft tokens a step are in
-the in-flight count's margin); tpu-inference 0.32 as it is keeps every layer
-at full context (the `*_full_context` figures).
+target's cache and adds no KV of its own (its k draft tokens a step add k
+slots to what a decoding request holds ahead: not in the decoding figure);
+tpu-inference 0.32 as it is keeps every layer at full context (the
+`*_full_context` figures).
 """
 from __future__ import annotations
 
