@@ -357,30 +357,27 @@ def _knowing_its_row(init):
     return __init__
 
 
-def _in_its_place(call):
+def _holding(var: contextvars.ContextVar, value_of):
+    """A wrapper for a method: `var` holds `value_of(self)` while it runs."""
 
-    @functools.wraps(call)
-    def __call__(self, *args, **kwargs):
-        token = _place.set(getattr(self, "gemma_qat_row_place", None))
-        try:
-            return call(self, *args, **kwargs)
-        finally:
-            _place.reset(token)
+    def wrap(call):
 
-    return __call__
+        @functools.wraps(call)
+        def __call__(self, *args, **kwargs):
+            token = var.set(value_of(self))
+            try:
+                return call(self, *args, **kwargs)
+            finally:
+                var.reset(token)
+
+        return __call__
+
+    return wrap
 
 
-def _with_row_kv(call):
-
-    @functools.wraps(call)
-    def __call__(self, *args, **kwargs):
-        token = _row_kv.set({})
-        try:
-            return call(self, *args, **kwargs)
-        finally:
-            _row_kv.reset(token)
-
-    return __call__
+_in_its_place = _holding(
+    _place, lambda layer: getattr(layer, "gemma_qat_row_place", None))
+_with_row_kv = _holding(_row_kv, lambda model: {})
 
 
 def _row_attention(attention):
@@ -443,18 +440,9 @@ def proposer_substitutions() -> list[Substitution]:
         "(interleaved per request), not only the last group's", wraps=True)]
 
 
-def _reading_its_source(call):
-
-    @functools.wraps(call)
-    def __call__(self, *args, **kwargs):
-        read = _draft_reads.get("sliding" if self.is_sliding else "full")
-        token = _draft_read.set(read)
-        try:
-            return call(self, *args, **kwargs)
-        finally:
-            _draft_read.reset(token)
-
-    return __call__
+_reading_its_source = _holding(
+    _draft_read,
+    lambda layer: _draft_reads.get("sliding" if layer.is_sliding else "full"))
 
 
 def _draft_attention(attention):
