@@ -152,9 +152,11 @@ def test_answers_under_kv_pressure_equal_transformers(served):
 
 
 class _Stream(threading.Thread):
-    """A streaming completion that counts its tokens; `close()` shuts its
-    connection from outside (vLLM then aborts the request), also while no
-    token arrives (a preempted or waiting request sends none)."""
+    """A streaming completion that counts its tokens (by their ids: a chunk
+    carries several when the client reads slower than the engine decodes,
+    vLLM then merges the deltas); `close()` shuts its connection from
+    outside (vLLM then aborts the request), also while no token arrives (a
+    preempted or waiting request sends none)."""
 
     def __init__(self, server, model, prompt, max_tokens):
         super().__init__()
@@ -163,7 +165,8 @@ class _Stream(threading.Thread):
                                                timeout=300)
         self.body = json.dumps({
             "model": str(model), "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True})
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True})
         self.start()
 
     def run(self):
@@ -177,7 +180,8 @@ class _Stream(threading.Thread):
                 if not line or line.startswith(b"data: [DONE]"):
                     break
                 if line.startswith(b"data: {"):
-                    self.tokens += 1
+                    chunk = json.loads(line[len(b"data: "):])
+                    self.tokens += len(chunk["choices"][0]["token_ids"])
         except OSError:
             pass
         self.status = "aborted" if self.closed else "done"
@@ -244,6 +248,7 @@ def test_abort_while_preempted_or_waiting_leaves_nothing_behind(served):
     c = _Stream(server, model, *WAITING)
     _wait_for(lambda: engine(running=1, waiting=2), "C to queue behind B")
     assert c.tokens == 0 and 0 < b.tokens < PREEMPTED[1]
+    b_held = b.tokens
     b.close()
     c.close()
     # Both leave the engine's queue while A still runs.
@@ -253,6 +258,9 @@ def test_abort_while_preempted_or_waiting_leaves_nothing_behind(served):
         s.join(timeout=300)
     assert (a.status, a.tokens) == ("done", LONG[1])
     assert (b.status, c.status, c.tokens) == ("aborted", "aborted", 0)
+    # No token reached B or C between the gauges' reading (both waiting)
+    # and their disconnects: neither was scheduled again meanwhile.
+    assert b.tokens == b_held
 
     state, after = _settled(server)
     assert state == (0, 0, 0), state  # running, waiting, KV cache usage
