@@ -5,30 +5,104 @@ module, so each module's processing programs (device puts, transposes, the
 wNa16 unpack) compile again for every module. Under gemma_qat those clears
 are one at the end of the load (`fixes/compile_once.py`); `auto` keeps
 tpu-inference's. Counts come from JAX's compile log and are deterministic
-(a persistent-cache hit is logged as a compile too). Text-only tiny models
-keep this cheap."""
+(a persistent-cache hit is logged as a compile too); each compile is also
+recorded with the number of clears before it, so every repeat can be told
+to follow a clear or not. Text-only tiny models keep this cheap."""
+import collections
+import json
+import re
+import struct
 import time
 
 import jax
 import pytest
+from jax._src import util
 from jax._src.interpreters import pxla
 
 from vllm_gemma_qat import substitute
 from vllm_gemma_qat.fixes.compile_once import CompileLog
 from vllm_gemma_qat.testing import runner, tiny
 
-# Programs compiled more than once that no clear explains: the model build
-# around load_weights (seen: 2 under bf16, 0 under int4).
-SLACK = 4
+# u32_unpack_i4 (tpu-inference's wNa16 unpack): one program of each per
+# packed weight shape.
+UNPACK = ("jit(bitwise_right_shift)", "jit(bitwise_and)")
+
+
+class _Clears:
+    """Counts jax.clear_caches() calls: it clears every cache registered
+    with JAX's cache registry, this one too."""
+
+    def __init__(self):
+        self.n = 0
+        util.register_cache(self, "test_load_compiles: clears")
+
+    def cache_clear(self):
+        self.n += 1
+
+    def cache_info(self):
+        return None
+
+    def cache_keys(self):
+        return ()
+
+
+class _Load(list):
+    """A CompileLog's programs; `at` holds each with the clears before it."""
+
+    def __init__(self, clears):
+        super().__init__()
+        self.clears, self.at = clears, []
+
+    def append(self, program):
+        self.at.append((self.clears.n, program))
+        super().append(program)
+
+    def between_clears(self) -> list[collections.Counter]:
+        """The programs compiled between one clear and the next, counted."""
+        out = collections.defaultdict(collections.Counter)
+        for clears, program in self.at:
+            out[clears][program] += 1
+        return list(out.values())
+
+    def compiled_again_after_a_clear(self) -> bool:
+        return len(set(self.at)) > len(set(self))
 
 
 def _load(path, load_format):
+    clears = _Clears()
     start = time.perf_counter()
-    with CompileLog() as log:
+    with CompileLog(programs=_Load(clears)) as log:
         runner.load(path, load_format)
     print(f"{load_format} {path.name}: {time.perf_counter() - start:.1f} s, "
-          f"{log.total} compiles, {log.distinct} distinct")
-    return log
+          f"{log.total} compiles, {log.distinct} distinct, {clears.n} clears")
+    return log, clears.n
+
+
+def _first_argument_shape(program) -> tuple[int, ...]:
+    """From the compile log's "(ShapedArray(int32[64,8,1]), ...)"."""
+    dims = re.match(r"\(ShapedArray\(\w+\[([\d,]*)\]", program[1])[1]
+    return tuple(int(d) for d in dims.split(",") if d)
+
+
+def _unpacked_shapes(path) -> set[tuple[int, ...]]:
+    """The shapes tpu-inference unpacks: the checkpoint's int4
+    `weight_packed` tensors (safetensors headers), each MLP's gate_proj and
+    up_proj as one (it loads them into one fused weight)."""
+    packed = {}
+    for shard in path.glob("*.safetensors"):
+        with open(shard, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        packed |= {name: tuple(t["shape"]) for name, t in header.items()
+                   if name.endswith(".weight_packed")}
+    shapes = set()
+    for name, shape in packed.items():
+        if ".mlp.up_proj." in name:
+            continue
+        if ".mlp.gate_proj." in name:
+            up = packed[name.replace(".gate_proj.", ".up_proj.")]
+            shape = (shape[0] + up[0], shape[1])
+        shapes.add(shape)
+    return shapes
 
 
 @pytest.fixture(scope="module")
@@ -44,32 +118,51 @@ def test_the_substitution_is_installed_with_tpu_inference(plugin):
     assert substitute.installed("jax:clear_caches")
 
 
-def test_int4_load_compiles_each_program_once(plugin, int4_checkpoint):
-    log = _load(int4_checkpoint, "gemma_qat")
-    assert log.distinct > 50  # the wNa16 unpack ran (int4 modules)
-    assert log.total <= log.distinct + SLACK
-    # The deferred clears ran once at the end: the load leaves no programs
-    # cached (without that last clear, one per distinct program).
-    assert pxla._cached_compilation.cache_info().currsize <= SLACK
+def _stock_recompiles_after_each_clear(path, log, clears, monkeypatch):
+    """The substitution removed: tpu-inference's clear after every module.
+    Between two clears it compiles nothing the gemma_qat load (`log`) did
+    not compile (as often); every compile beyond those is one a clear
+    caused."""
+    monkeypatch.setattr(jax, "clear_caches", jax.clear_caches.__wrapped__)
+    stock, stock_clears = _load(path, "gemma_qat")
+    once = collections.Counter(log.programs)
+    assert stock_clears > clears and stock.distinct == log.distinct
+    assert all(between <= once
+               for between in stock.programs.between_clears())
+    assert stock.programs.compiled_again_after_a_clear()
+
+
+def test_int4_load_compiles_each_program_once(plugin, int4_checkpoint,
+                                              monkeypatch):
+    log, clears = _load(int4_checkpoint, "gemma_qat")
+    # The wNa16 unpack ran, once for every shape it unpacks.
+    for op in UNPACK:
+        assert {_first_argument_shape(p)[:2] for p in log.programs
+                if p[0] == op} == _unpacked_shapes(int4_checkpoint), op
+    assert log.total == log.distinct
+    # tpu-inference's clears became one, at the end of the load: what it
+    # leaves cached is what compiled after it.
+    assert clears == 1
+    after = [program for n, program in log.programs.at if n == clears]
+    assert pxla._cached_compilation.cache_info().currsize == len(after)
+    _stock_recompiles_after_each_clear(int4_checkpoint, log, clears,
+                                       monkeypatch)
 
 
 def test_bf16_load_compiles_each_program_once_stock_per_module(
         plugin, tiny_models, monkeypatch):
     path = tiny_models.checkpoint("e2b", multimodal=False, layout="qat")
-    log = _load(path, "gemma_qat")
-    assert log.total <= log.distinct + SLACK
-    # The substitution removed: tpu-inference's clear after every module,
-    # the same programs compiled again and again.
-    monkeypatch.setattr(jax, "clear_caches", jax.clear_caches.__wrapped__)
-    stock = _load(path, "gemma_qat")
-    assert stock.distinct == log.distinct
-    assert stock.total >= 3 * log.total
+    log, clears = _load(path, "gemma_qat")
+    # (Programs that differ in nothing the log shows, e.g. two slices of
+    # one shape, count as one distinct program compiled twice.)
+    assert clears == 1 and not log.programs.compiled_again_after_a_clear()
+    _stock_recompiles_after_each_clear(path, log, clears, monkeypatch)
 
 
 def test_auto_keeps_tpu_inference_clears(plugin, tiny_models):
-    log = _load(tiny_models.checkpoint("e2b", multimodal=False,
-                                       layout="regular"), "auto")
-    assert log.total >= 3 * log.distinct
+    log, clears = _load(tiny_models.checkpoint("e2b", multimodal=False,
+                                               layout="regular"), "auto")
+    assert clears > 1 and log.programs.compiled_again_after_a_clear()
 
 
 def test_nested_compile_logs_close_in_any_content_state():
