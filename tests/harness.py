@@ -271,7 +271,11 @@ def streamed_arrivals(server, path: str, body: dict):
             line = line.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choice = json.loads(line[len("data: "):])["choices"][0]
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise AssertionError(f"{path}: the stream sent an error: "
+                                     f"{chunk['error']}")
+            choice = chunk["choices"][0]
             ids = choice.get("token_ids") or []
             if ids or choice.get("text") or (choice.get("delta") or {}).get(
                     "content"):

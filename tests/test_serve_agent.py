@@ -224,7 +224,7 @@ def test_prompt_logprobs_within_derived_tolerance_of_fp32_exact_kv(served):
 def test_plan_predicts_the_kv_cache_the_server_allocates(served):
     # `plan` as a user runs it, for the server's --dtype and
     # --kv-cache-dtype, the CPU's "HBM" and vLLM's default utilization,
-    # against what the server logs: equal but for the pages' rounding.
+    # against what the server logs.
     server, _, model, config = served
     form, _, dtype, kv = CONFIGS[config]
     if form:
@@ -234,7 +234,8 @@ def test_plan_predicts_the_kv_cache_the_server_allocates(served):
     log = server.log.read_text()
     logged = int(re.search(r"TPU KV cache size: ([\d,]+) tokens",
                            log).group(1).replace(",", ""))
-    blocks = int(re.search(r"num_blocks=\[(\d+)\]", log)[1])
+    # The pool vLLM's KV cache config holds (one per group's page size).
+    blocks = int(re.search(r"kv_cache_config\.num_blocks=(\d+)", log)[1])
     hbm = re.search(r"VLLM_GEMMA_QAT_CPU_MEMORY_GIB: ([\d.]+) GiB", log)[1]
     kv_flag = {"bfloat16": "bf16", "float8_e5m2": "fp8_e5m2"}[kv]
     out = subprocess.run(

@@ -69,7 +69,7 @@ CONFIGS = {
                               AUTO),
     # The QAT bf16 export at TP=2, in float32 (its long greedy answers under
     # KV pressure are compared with transformers' float32), in a cache of
-    # SMALL_CACHE blocks: the 8 conversations fit at once (<= 7 blocks of
+    # 57 blocks: the 8 conversations fit at once (<= 7 blocks of
     # 16 tokens each, draft lookahead included), 8 x 180-token answers do
     # not (kv_pressure.py).
     "qat-k2-tp2-small-cache": (None, 2, ["--tensor-parallel-size", "2",

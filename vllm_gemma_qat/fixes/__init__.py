@@ -19,10 +19,18 @@ Each acts only under `--load-format gemma_qat` (`vllm_gemma_qat.gate`).
 tpu-inference module is imported); `weight_dtype` is applied by the loader's
 `WeightFeed` as it hands tensors over. This package imports no module of its
 own until asked: `weights` uses `weight_dtype` without pulling in vLLM.
+
+`VLLM_GEMMA_QAT_WITHOUT_FIX=name[,name]` leaves those fixes of `ALL` out, in
+CPU mode only: how `tests/test_evidence.py` shows each serving check failing
+on the bug its fix removes.
 """
 from __future__ import annotations
 
 import importlib
+import logging
+import os
+
+logger = logging.getLogger(__name__)
 
 # Installed by `register`, in this order.
 ALL = ("kv_share", "preemption", "image_steps", "compile_once",
@@ -34,9 +42,39 @@ def modules() -> list:
     return [importlib.import_module(f"{__name__}.{name}") for name in ALL]
 
 
+WITHOUT_ENV = "VLLM_GEMMA_QAT_WITHOUT_FIX"
+# vllm_gemma_qat.cpu.CPU_MODE_ENV, read here by name: the plugin does not
+# import CPU mode (imports go the other way).
+CPU_MODE_ENV = "VLLM_GEMMA_QAT_CPU_MODE"
+
+
 def install_all() -> None:
     """Each fix in `ALL` patches its tpu-inference module now if imported,
     else right after its import (cheap: nothing of tpu-inference is
-    imported here)."""
-    for module in modules():
+    imported here), except those an evidence run leaves out."""
+    without = left_out()
+    for name, module in zip(ALL, modules()):
+        if name in without:
+            logger.warning("vllm-gemma-qat: fix %s left out (%s, an evidence "
+                           "run: the bug it fixes is back)", name, WITHOUT_ENV)
+            continue
         module.install()
+
+
+def left_out() -> tuple[str, ...]:
+    """The fixes VLLM_GEMMA_QAT_WITHOUT_FIX names: each must be in `ALL`,
+    and the variable is refused outside CPU mode (a TPU serves with every
+    fix)."""
+    value = os.environ.get(WITHOUT_ENV, "")
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
+    if not names:
+        return ()
+    unknown = [name for name in names if name not in ALL]
+    if unknown:
+        raise ValueError(f"{WITHOUT_ENV}={value!r}: no fix named "
+                         f"{', '.join(unknown)} (known: {', '.join(ALL)})")
+    if os.environ.get(CPU_MODE_ENV) != "1":
+        raise ValueError(f"{WITHOUT_ENV}={value!r} leaves fixes out for "
+                         f"evidence runs in CPU mode ({CPU_MODE_ENV}=1) "
+                         f"only; unset it to serve")
+    return names

@@ -1,0 +1,136 @@
+"""Each serving check fails on the bug it guards (#34).
+
+Every fix in `vllm_gemma_qat.fixes.ALL` removes a tpu-inference bug; the
+serving checks named below are what show, through `vllm serve` in CPU mode,
+that the fix works. Here each check runs again with its fix left out
+(`VLLM_GEMMA_QAT_WITHOUT_FIX`, honoured in CPU mode only), in a pytest of
+its own, and must fail, at the assertion (or start-up error) that
+describes the bug. A check that passed with the bug back would guard
+nothing.
+
+Opt-in (each case starts its own server; 10 min in all on this 2-core VM):
+
+    VLLM_GEMMA_QAT_EVIDENCE=1 ./run tests tests/test_evidence.py
+
+The checks themselves pass with every fix in the ordinary run. Bugs that are
+not "a fix left out" are shown by their own tests: the drafter reading the
+last group's block table (`test_sliding_window`), a q_scale 10% off
+(`test_real_kernels`), the per-module cache clears (`test_load_compiles`).
+"""
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from vllm_gemma_qat import fixes
+
+EVIDENCE_ENV = "VLLM_GEMMA_QAT_EVIDENCE"
+TESTS = Path(__file__).parent
+
+
+@dataclass(frozen=True)
+class Case:
+    fix: str
+    check: str  # a pytest node id under tests/
+    failure: str  # a regex: where or why it fails (its report, the log)
+
+
+SPEC = "test_serve_spec_decode.py::"
+CASES = [
+    # #3225: without the fix tpu-inference's model wants the K/V of the
+    # KV-shared layers, which the QAT export leaves out.
+    Case("kv_share",
+         "test_serve_e2e.py::test_completions_greedy_tokens_equal_transformers",
+         r"not initialized from the checkpoint: \['model\.language_model\."
+         r"layers\.\d+\.self_attn\.k_norm\.weight'"),
+    Case("image_steps",
+         "test_serve_images.py::"
+         "test_text_decoding_beside_an_image_prefill_is_unchanged",
+         r"the stream sent an error[\s\S]*EngineDeadError"),
+    Case("preemption",
+         "test_preemption.py::test_answers_under_kv_pressure_equal_transformers",
+         re.escape("assert wrong_answers(hf, results) == []")),
+    Case("drafter_load",
+         SPEC + "test_greedy_and_acceptance_equal_the_reference_loop"
+         "[w4a16-k1-auto-drafter]",
+         "assert line is None"),
+    Case("drafter_quantization",
+         SPEC + "test_greedy_and_acceptance_equal_the_reference_loop"
+         "[int4-fp8-k4-masked]",
+         # The target's int4 config: the drafter wants packed weights.
+         r"no module or parameter named 'model\.layers\.0\.mlp\.down_proj"
+         r"\.weight' in Gemma4MTPForCausalLM.*weight_packed"),
+    # plan (from the config) predicts the windowed pool; the server
+    # without the fix allocates full-context KV for every layer.
+    Case("sliding_window",
+         "test_serve_agent.py::"
+         "test_plan_predicts_the_kv_cache_the_server_allocates[bf16]",
+         re.escape('assert (planned["kv_pool_blocks"], '
+                   'planned["kv_cache_tokens"])')),
+    Case("discarded_samples",
+         SPEC + "test_preempted_requests_answer_right_with_speculation"
+         "[qat-k2-tp2-small-cache]",
+         r"_prepare_async_token_substitution_indices[\s\S]*AssertionError"),
+    Case("request_checks",
+         "test_serve_e2e.py::"
+         "test_prompt_logprobs_are_a_named_400_and_the_engine_serves_on",
+         re.escape("assert 500 == 400")),
+]
+
+
+def test_every_fix_has_a_case():
+    # compile_once is the weight loader's, not a serving check's: shown in
+    # test_load_compiles (the stock clears compile each program again).
+    assert sorted(c.fix for c in CASES) == sorted(
+        set(fixes.ALL) - {"compile_once"})
+
+
+def test_the_switch_is_refused_outside_cpu_mode(monkeypatch):
+    monkeypatch.setenv(fixes.WITHOUT_ENV, "preemption")
+    monkeypatch.delenv(fixes.CPU_MODE_ENV, raising=False)
+    with pytest.raises(ValueError, match=f"{fixes.WITHOUT_ENV}=.*CPU mode"):
+        fixes.left_out()
+    monkeypatch.setenv(fixes.CPU_MODE_ENV, "1")
+    assert fixes.left_out() == ("preemption",)
+    monkeypatch.setenv(fixes.WITHOUT_ENV, "preemption,kv_shares")
+    with pytest.raises(ValueError, match="no fix named kv_shares"):
+        fixes.left_out()
+    monkeypatch.delenv(fixes.WITHOUT_ENV)
+    assert fixes.left_out() == ()
+
+
+def test_cpu_mode_names_the_same_variable():
+    from vllm_gemma_qat import cpu
+    assert fixes.CPU_MODE_ENV == cpu.CPU_MODE_ENV
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.fix for c in CASES])
+def test_check_fails_without_its_fix(case, tmp_path):
+    if os.environ.get(EVIDENCE_ENV) != "1":
+        pytest.skip(f"evidence runs start a server each: {EVIDENCE_ENV}=1")
+    report, basetemp = tmp_path / "report.xml", tmp_path / "run"
+    env = dict(os.environ, **{fixes.WITHOUT_ENV: case.fix})
+    env.pop("PYTEST_XDIST_WORKER", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", str(TESTS / case.check), "-q",
+         "-p", "no:cacheprovider", "-p", "no:xdist", f"--junitxml={report}",
+         f"--basetemp={basetemp}"],
+        env=env, cwd=TESTS.parent, capture_output=True, text=True,
+        timeout=1500)
+    print(run.stdout[-4000:])
+    (result,) = list(ET.parse(report).getroot().iter("testcase"))
+    failed = [e for e in result if e.tag in ("failure", "error")]
+    assert run.returncode == 1 and failed, (
+        f"{case.check} passed with fix {case.fix} left out")
+    # Where it failed: the report, and the server's log (a start-up error,
+    # an engine that died: the client sees only an exit or an HTTP 500).
+    report_text = "\n".join((e.get("message") or "") + "\n" + (e.text or "")
+                            for e in failed)
+    logs = "\n".join(p.read_text(errors="replace")
+                     for p in sorted(basetemp.rglob("*.log")))
+    assert re.search(case.failure, report_text + logs), report_text[-3000:]
