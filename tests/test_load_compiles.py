@@ -140,11 +140,12 @@ def test_int4_load_compiles_each_program_once(plugin, int4_checkpoint,
         assert {_first_argument_shape(p)[:2] for p in log.programs
                 if p[0] == op} == _unpacked_shapes(int4_checkpoint), op
     assert log.total == log.distinct
-    # tpu-inference's clears became one, at the end of the load: what it
-    # leaves cached is what compiled after it.
+    # tpu-inference's clears became one, at the end of the load: it leaves
+    # cached at most what compiled after it (the cache is weakly keyed: an
+    # entry goes with its computation).
     assert clears == 1
     after = [program for n, program in log.programs.at if n == clears]
-    assert pxla._cached_compilation.cache_info().currsize == len(after)
+    assert pxla._cached_compilation.cache_info().currsize <= len(after)
     _stock_recompiles_after_each_clear(int4_checkpoint, log, clears,
                                        monkeypatch)
 

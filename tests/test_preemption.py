@@ -153,8 +153,9 @@ def test_answers_under_kv_pressure_equal_transformers(served):
 
 class _Stream(threading.Thread):
     """A streaming completion that counts its tokens (by their ids: a chunk
-    carries several when the client reads slower than the engine decodes,
-    vLLM then merges the deltas); `close()` shuts its connection from
+    carries several when the engine's outputs come faster than the API
+    server streams them, vLLM then merges the deltas); `close()` shuts its
+    connection from
     outside (vLLM then aborts the request), also while no token arrives (a
     preempted or waiting request sends none)."""
 
@@ -245,10 +246,10 @@ def test_abort_while_preempted_or_waiting_leaves_nothing_behind(served):
               and engine(running=1, waiting=1), "a preemption")
     a_then = a.tokens
     _wait_for(lambda: a.tokens >= a_then + 2, "A to go on")
+    b_held = b.tokens  # its last token in flight at the preemption is in
     c = _Stream(server, model, *WAITING)
     _wait_for(lambda: engine(running=1, waiting=2), "C to queue behind B")
-    assert c.tokens == 0 and 0 < b.tokens < PREEMPTED[1]
-    b_held = b.tokens
+    assert c.tokens == 0 and 0 < b.tokens == b_held < PREEMPTED[1]
     b.close()
     c.close()
     # Both leave the engine's queue while A still runs.
@@ -258,8 +259,8 @@ def test_abort_while_preempted_or_waiting_leaves_nothing_behind(served):
         s.join(timeout=300)
     assert (a.status, a.tokens) == ("done", LONG[1])
     assert (b.status, c.status, c.tokens) == ("aborted", "aborted", 0)
-    # No token reached B or C between the gauges' reading (both waiting)
-    # and their disconnects: neither was scheduled again meanwhile.
+    # No token reached B from A's going on to its disconnect: B was not
+    # scheduled again meanwhile.
     assert b.tokens == b_held
 
     state, after = _settled(server)

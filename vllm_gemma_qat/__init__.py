@@ -19,6 +19,7 @@ def register() -> None:
     from vllm_gemma_qat import fixes, preflight, substitute
     from vllm_gemma_qat.loader import GemmaQatModelLoader
 
+    fixes.left_out()  # a refused evidence switch stops before anything
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not GemmaQatModelLoader:
         register_model_loader(LOAD_FORMAT)(GemmaQatModelLoader)
     substitute.apply(preflight.substitutions(), "vllm-gemma-qat")
