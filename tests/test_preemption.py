@@ -155,9 +155,8 @@ class _Stream(threading.Thread):
     """A streaming completion that counts its tokens (by their ids: a chunk
     carries several when the engine's outputs come faster than the API
     server streams them, vLLM then merges the deltas); `close()` shuts its
-    connection from
-    outside (vLLM then aborts the request), also while no token arrives (a
-    preempted or waiting request sends none)."""
+    connection from outside (vLLM then aborts the request), also while no
+    token arrives (a preempted or waiting request sends none)."""
 
     def __init__(self, server, model, prompt, max_tokens):
         super().__init__()

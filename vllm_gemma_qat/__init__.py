@@ -19,8 +19,8 @@ def register() -> None:
     from vllm_gemma_qat import fixes, preflight, substitute
     from vllm_gemma_qat.loader import GemmaQatModelLoader
 
-    fixes.left_out()  # a refused evidence switch stops before anything
+    without = fixes.left_out()  # a refused one stops before anything
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not GemmaQatModelLoader:
         register_model_loader(LOAD_FORMAT)(GemmaQatModelLoader)
     substitute.apply(preflight.substitutions(), "vllm-gemma-qat")
-    fixes.install_all()
+    fixes.install_all(without)

@@ -257,16 +257,17 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
 def _environment(topo: Topology) -> None:
     """JAX on the host CPU (this is deviceless compilation: the TPU is
     libtpu's topology), and the TPU_* values that stop libtpu's and
-    tpu-inference's cloud-metadata lookups off Google Cloud (cpu/env.py's,
-    without its offline hub: a repo id's headers come from the hub)."""
-    from vllm_gemma_qat.cpu.env import CPU_ENV
+    tpu-inference's cloud-metadata lookups off Google Cloud (the values CPU
+    mode sets too, without its offline hub: a repo id's headers come from
+    the hub)."""
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     # No chip is used: another process holding libtpu's lockfile (a
     # `vllm serve` on a TPU VM, a second compile) must not stop this one.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    for key in ("JAX_PLATFORMS", "TPU_NAME", "TPU_WORKER_ID"):
-        os.environ.setdefault(key, CPU_ENV[key])
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", topo.name)
+    for key, value in (("JAX_PLATFORMS", "cpu"), ("TPU_NAME", "aot"),
+                       ("TPU_WORKER_ID", "0"),
+                       ("TPU_ACCELERATOR_TYPE", topo.name)):
+        os.environ.setdefault(key, value)
     if os.environ["JAX_PLATFORMS"] != "cpu":
         raise AotError("compile runs with JAX_PLATFORMS=cpu (it compiles for "
                        f"a TPU without one); JAX_PLATFORMS is "

@@ -48,11 +48,11 @@ WITHOUT_ENV = "VLLM_GEMMA_QAT_WITHOUT_FIX"
 CPU_MODE_ENV = "VLLM_GEMMA_QAT_CPU_MODE"
 
 
-def install_all() -> None:
+def install_all(without: tuple[str, ...] = ()) -> None:
     """Each fix in `ALL` patches its tpu-inference module now if imported,
     else right after its import (cheap: nothing of tpu-inference is
-    imported here), except those an evidence run leaves out."""
-    without = left_out()
+    imported here), except those an evidence run leaves out (`without`,
+    from `left_out()`)."""
     for name, module in zip(ALL, modules()):
         if name in without:
             logger.warning("vllm-gemma-qat: fix %s left out (%s, an evidence "
@@ -63,8 +63,8 @@ def install_all() -> None:
 
 def left_out() -> tuple[str, ...]:
     """The fixes VLLM_GEMMA_QAT_WITHOUT_FIX names: each must be in `ALL`,
-    and the variable is refused outside CPU mode (a TPU serves with every
-    fix)."""
+    and the variable is refused outside CPU mode on JAX's CPU backend (a
+    TPU serves with every fix)."""
     value = os.environ.get(WITHOUT_ENV, "")
     names = tuple(name.strip() for name in value.split(",") if name.strip())
     if not names:
@@ -73,8 +73,9 @@ def left_out() -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"{WITHOUT_ENV}={value!r}: no fix named "
                          f"{', '.join(unknown)} (known: {', '.join(ALL)})")
-    if os.environ.get(CPU_MODE_ENV) != "1":
+    if (os.environ.get(CPU_MODE_ENV) != "1"
+            or os.environ.get("JAX_PLATFORMS") != "cpu"):
         raise ValueError(f"{WITHOUT_ENV}={value!r} leaves fixes out for "
-                         f"evidence runs in CPU mode ({CPU_MODE_ENV}=1) "
-                         f"only; unset it to serve")
+                         f"evidence runs in CPU mode ({CPU_MODE_ENV}=1, "
+                         f"JAX_PLATFORMS=cpu) only; unset it to serve")
     return names

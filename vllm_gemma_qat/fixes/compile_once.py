@@ -6,10 +6,11 @@ every module's `process_weights_after_loading` (`_load_module`) and after
 the fused modules' (`load_weights`). That empties JAX's in-memory caches, so
 each module's small processing ops (device puts, transposes, the wNa16
 unpack) are traced and compiled again for every module: the tiny int4 model
-compiles 1,047 programs, 168 of them distinct (tests/test_load_compiles.py). The caches hold compiled
-programs and traces, not weights (the live device arrays are the same with
-and without the clears); tpu-inference's runner clears them again once the
-model is loaded, to free the programs' reservations on TPU HBM.
+compiles 1,047 programs, 168 of them distinct (tests/test_load_compiles.py).
+The caches hold compiled programs and traces, not weights (the live device
+arrays are the same with and without the clears); tpu-inference's runner
+clears them again once the model is loaded, to free the programs'
+reservations on TPU HBM.
 
 While `GemmaQatModelLoader` feeds the weights (`one_cache_clear`), the
 clears tpu-inference asks for are deferred and done once at the end of the
