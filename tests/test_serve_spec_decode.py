@@ -195,8 +195,8 @@ def test_greedy_and_acceptance_equal_the_reference_loop(served):
             want["drafts_total"] += 1
             want["draft_tokens_total"] += drafted
             want["accepted_tokens_total"] += accepted
-            for i in range(accepted):
-                want["per_pos"][i] += 1
+            for pos in range(accepted):
+                want["per_pos"][pos] += 1
     got = delta(after, before)
     print(config, "served", got, "reference", want)
     # Full and partial acceptance (k > 1) and rejection all occurred.
