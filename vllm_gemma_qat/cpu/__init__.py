@@ -30,6 +30,9 @@ and `gmm_v2` kernels in Pallas TPU interpret mode instead of the first and
 third stand-in (`interpret.py`: the kernel entry points and the changes to
 JAX / tpu-inference internals the interpreter needs, in the same table).
 
+`VLLM_GEMMA_QAT_CPU_BUG=<name>` puts back a wrong variant that no fix
+removes, for evidence runs (`bugs.py`).
+
 The list is logged when CPU mode starts; a target missing from the installed
 tpu-inference (or JAX) stops it with `substitute.MissingTarget`.
 """
@@ -73,6 +76,10 @@ def enable() -> None:
                      f"vllm-gemma-qat CPU mode ({CPU_MODE_ENV}=1, tests and "
                      f"demos only; {CPU_KERNELS_ENV}={kernel_choice()})",
                      level=logging.WARNING)
+    from vllm_gemma_qat.cpu import bugs
+    bug = bugs.requested()
+    if bug:  # an evidence run (tests/test_evidence.py)
+        bugs.install(bug)
 
 
 @contextlib.contextmanager
