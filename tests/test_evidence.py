@@ -107,6 +107,10 @@ BUG_CASES = [
          "[fp32-e5m2]",
          r"(?m)^>\s+assert \(gap <= bound\)\.all\(\), gap\.max\(\)",
          bug=True),
+    Case("int4_highest_nibble_first",
+         "test_serve_int4.py::test_int4_serves_exactly[w4a16]",
+         r"(?m)^>\s+assert tokens == hf_greedy\(hf, prompt_ids, n\)",
+         bug=True),
 ]
 
 

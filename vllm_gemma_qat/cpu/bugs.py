@@ -10,6 +10,9 @@ fail on the bug it guards; `tests/test_evidence.py`).
   that bypassed the cache would read. Earlier steps' tokens come from the
   cache either way. Only an fp8 cache makes a difference (a bf16 or fp32
   cache stores K/V as computed).
+- `int4_highest_nibble_first`: compressed-tensors int4 words unpacked in
+  the wrong nibble order (each word's eight columns reversed): the classic
+  packing bug, for the int4 serving checks.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import os
 BUG_ENV = "VLLM_GEMMA_QAT_CPU_BUG"
 GEMMA4 = "tpu_inference.models.jax.gemma4"
 INTERFACE = "tpu_inference.layers.common.attention_interface"
+QUANTIZATION = "tpu_inference.layers.common.quantization"
 
 
 def requested() -> str | None:
@@ -117,4 +121,22 @@ def _unrounded_copy(kv_cache, num_kv_heads: int, dtype):
     return rows.reshape(blocks, size, -1, packing, head_dim)
 
 
-BUGS = {"shared_layers_read_unrounded_kv": _shared_layers_read_unrounded_kv}
+def _int4_highest_nibble_first() -> dict:
+    from vllm_gemma_qat.substitute import Substitution
+
+    def unpack(u32_packed_i4):
+        import jax.numpy as jnp
+        shifts = (7 - jnp.arange(8, dtype=jnp.int32)) * 4  # the wrong order
+        unpacked = jnp.bitwise_and(
+            jnp.bitwise_right_shift(u32_packed_i4[..., None], shifts), 0xF)
+        return jnp.reshape((unpacked - 8).astype(jnp.int4),
+                           u32_packed_i4.shape[:-1] + (-1, ))
+
+    return {QUANTIZATION: [Substitution(
+        f"{QUANTIZATION}:u32_unpack_i4", unpack, "bug put back: int4 words "
+        "unpacked highest nibble first (compressed-tensors packs the lowest "
+        "first)")]}
+
+
+BUGS = {"shared_layers_read_unrounded_kv": _shared_layers_read_unrounded_kv,
+        "int4_highest_nibble_first": _int4_highest_nibble_first}
