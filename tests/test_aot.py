@@ -127,6 +127,46 @@ def test_a_multi_host_slice_compiles_tp_across_hosts(checkpoints):
     assert report.fits and not report.disagreements
 
 
+def test_the_assistants_drafter_programs_compile(checkpoints, tmp_path,
+                                                capfd):
+    """--assistant: the Gemma 4 assistant built as tpu-inference's proposer
+    loads it, its programs compiled as `_precompile_mtp_helpers` compiles
+    them (the tiny E2B-like target packs sliding KV: the drafter reads two
+    cache groups), and its weights per chip as `plan --assistant` counts
+    them (TP=1: nothing split)."""
+    import torch
+
+    from vllm_gemma_qat.testing import assistant
+    target = checkpoints["e2b", "bf16"]
+    helper = assistant.save(assistant.build(
+        assistant.target_text_config(target)), tmp_path / "assistant",
+        torch.bfloat16)
+    rc = cli.main(["compile", str(target), "--topology", "v6e-1",
+                   "--max-model-len", "256", "--max-num-seqs", "8",
+                   "--max-num-batched-tokens", "16", "--no-sampling",
+                   "--assistant", str(helper), "--num-speculative-tokens",
+                   "2", "--json"])
+    out = capfd.readouterr().out
+    assert rc == 0, out[-3000:]
+    # vLLM's log lines of this process (its handlers hold pytest's stdout)
+    # come before the report
+    report = json.loads(out[out.index("{\n \"model\""):])
+    assert [(p["name"], p["shape"], p["ok"]) for p in report["programs"]] \
+        == [("step", {"num_tokens": 16, "num_reqs": 8}, True)] + [
+        # every position a request may verify: 8 requests x (2 + 1)
+        ("compute_logits", {"num_reqs": n}, True) for n in (8, 16, 32)] + [
+        ("drafter_propose", {"num_tokens": 16, "num_reqs": 8, "k": 2}, True),
+        ("drafter_prepare_inputs", {"num_tokens": 16, "num_reqs": 8}, True)]
+    assert report["num_speculative_tokens"] == 2
+    assert not report["disagreements"] and report["fits"]
+    plan = json.loads(_cli(["plan", str(target), "--context", "256",
+                            "--dtype", "bfloat16", "--assistant",
+                            str(helper), "--json"]))
+    assert report["assistant_weight_bytes"] == plan["assistant_bytes"] == \
+        report["plan_assistant_weight_bytes"] > 0
+    assert report["weight_bytes"] == plan["weight_bytes_per_chip"]
+
+
 def test_unknown_topology_is_one_clear_error(checkpoints, capfd):
     rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
                    "v6e-3"])

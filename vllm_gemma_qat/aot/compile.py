@@ -14,9 +14,16 @@ program the runner compiles for text serving is lowered and compiled for
 the target: the step per (token bucket, request bucket), as
 `_precompile_backbone_text_only`; `compute_logits` and `sample` (with and
 without sampling parameters and logprobs) per request bucket, as
-`_precompile_compute_logits` / `_precompile_sampling`. Not compiled here:
+`_precompile_compute_logits` / `_precompile_sampling`. With `--assistant
+DIR` (`--speculative-config '{"model": DIR, "num_speculative_tokens":
+k}'`): the Gemma 4 assistant as tpu-inference's `Eagle3Proposer.load_model`
+builds it (the target's embedding shared), and per (token bucket, request
+bucket) its `_propose` (k draft steps over the target's KV cache) and
+`_prepare_inputs`, as `_precompile_mtp_helpers`; compute_logits then at the
+runner's logits buckets (k + 1 positions per request). Not compiled here:
 the runner's other small helpers (placeholder substitution, array
-selection, logprob gathering, structured decoding), and a multimodal
+selection, logprob gathering, structured decoding, and speculative
+decoding's rejection sampler and token bookkeeping), and a multimodal
 model's image programs (vision encoder, embedding merge, the step with
 input embeddings).
 """
@@ -89,6 +96,12 @@ class Report:
     # memory_analysis of a program taking every language-model parameter:
     # their bytes as laid out in HBM (TPU tiling pads small dimensions)
     lm_laid_out_bytes: int = 0
+    # speculative decoding (--assistant): the drafter's parameters per chip
+    # that are not the target's (in weight_bytes), and plan's figure
+    assistant: str | None = None
+    num_speculative_tokens: int = 0
+    assistant_weight_bytes: int = 0
+    plan_assistant_weight_bytes: int | None = None
     kv_bytes: int = 0  # the KV cache's shards
     max_temp_bytes: int = 0
     max_code_bytes: int = 0
@@ -126,9 +139,13 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
                   utilization: float = 0.92, logits: bool = True,
                   sampling: bool = True,
                   token_buckets: list[int] | None = None,
+                  assistant: str | None = None,
+                  num_speculative_tokens: int | None = None,
                   log=None) -> Report:
     """Build and compile; `token_buckets`: compile only these of the
-    runner's token buckets (None: all of them)."""
+    runner's token buckets (None: all of them); `assistant`: a Gemma 4
+    assistant directory served with it (`--speculative-config '{"model":
+    assistant, "num_speculative_tokens": k}'`; k None: vLLM's default)."""
     topo = topology(topology_name)
     tp = tp or topo.chips
     if tp > topo.chips:
@@ -141,10 +158,14 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
     environ = dict(os.environ)
     try:
         _environment(topo)
-        return _compile_with_plugin(target, topo, tp, weights, kv_dtype,
-                                    dtype, max_model_len, max_num_seqs,
-                                    max_num_batched_tokens, utilization,
-                                    logits, sampling, token_buckets, log)
+        report = _compile_with_plugin(
+            target, topo, tp, weights, kv_dtype, dtype, max_model_len,
+            max_num_seqs, max_num_batched_tokens, utilization, logits,
+            sampling, token_buckets, log,
+            (assistant, num_speculative_tokens) if assistant else None)
+        if assistant:
+            report.assistant = assistant
+        return report
     finally:  # the caller's environment back (a server started next)
         os.environ.clear()
         os.environ.update(environ)
@@ -152,12 +173,27 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
 
 def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                          max_model_len, max_num_seqs, max_num_batched_tokens,
-                         utilization, logits, sampling, token_buckets, log):
+                         utilization, logits, sampling, token_buckets, log,
+                         speculative):
     started = time.perf_counter()
 
-    from vllm_gemma_qat import cli, plan as planlib
+    from vllm_gemma_qat import checkpoint, cli, plan as planlib
     geo, plan_weights, _, _, config = cli._plan_inputs(
         target, int4_export_ok=weights == "int4")
+    if speculative:  # its config (a local directory), checked as plan does
+        helper = checkpoint.resolve(speculative[0], allow_download=False)
+        helper_config = checkpoint.read_config(helper)
+        plan_helper = None  # a config-only directory: no bytes to count
+        from vllm_gemma_qat import assistant as assistantlib
+        if not assistantlib.is_assistant(helper_config):
+            raise assistantlib.not_an_assistant(speculative[0], helper_config)
+        if not cli._config_only(helper):
+            plan_helper, _, _ = cli._assistant_bytes(
+                target, config, str(helper), dtype)
+            import dataclasses
+            plan_weights = dataclasses.replace(plan_weights,
+                                               assistant_bytes=plan_helper)
+        speculative = (helper_config, speculative[1], plan_helper)
 
     import jax
 
@@ -174,7 +210,7 @@ def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                               max_num_batched_tokens, utilization, logits,
                               sampling, token_buckets, log, table, started,
                               geo,
-                              plan_weights, config, planlib)
+                              plan_weights, config, planlib, speculative)
     finally:  # (the knob, not a substitution: JAX's public config)
         jax.config.update("jax_enable_compilation_cache", cache_was)
 
@@ -183,7 +219,7 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                    max_num_seqs, max_num_batched_tokens, utilization, logits,
                    sampling, token_buckets, log, table, started, geo,
                    plan_weights,
-                   config, planlib) -> Report:
+                   config, planlib, speculative) -> Report:
     from jax.experimental import topologies
 
     from vllm_gemma_qat import substitute
@@ -216,11 +252,20 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
             else None)
     with tempfile.TemporaryDirectory(prefix="gemma-qat-aot-") as tmp:
         model_dir = _config_dir(Path(tmp), config, weights)
+        spec = None
+        if speculative:
+            helper_dir = Path(tmp, "assistant")
+            helper_dir.mkdir()
+            (helper_dir / "config.json").write_text(
+                json.dumps(speculative[0]))
+            spec = {"model": str(helper_dir)}
+            if speculative[1] is not None:
+                spec["num_speculative_tokens"] = speculative[1]
         with substitute.applied(table, "vllm-gemma-qat AOT mode"):
             try:
                 vllm_config = _vllm_config(
                     model_dir, tp, weights, kv_dtype, dtype, max_model_len,
-                    max_num_seqs, max_num_batched_tokens, utilization)
+                    max_num_seqs, max_num_batched_tokens, utilization, spec)
             except ValueError as e:  # pydantic's ValidationError too
                 raise AotError(f"vLLM refuses these flags for {target}: "
                                f"{_first_error(e)}") from None
@@ -249,7 +294,9 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                                         geo,
                                         target, weights, kv_dtype,
                                         utilization, logits, sampling,
-                                        token_buckets, log)
+                                        token_buckets, log,
+                                        speculative[2] if speculative
+                                        else None)
     report.build_s = time.perf_counter() - started
     return report
 
@@ -297,7 +344,8 @@ def _first_error(e: Exception) -> str:
 
 
 def _vllm_config(model_dir, tp, weights, kv_dtype, dtype, max_model_len,
-                 max_num_seqs, max_num_batched_tokens, utilization):
+                 max_num_seqs, max_num_batched_tokens, utilization,
+                 speculative_config=None):
     from vllm.engine.arg_utils import EngineArgs
     from vllm_gemma_qat.gate import LOAD_FORMAT
     args = EngineArgs(model=str(model_dir), load_format=LOAD_FORMAT,
@@ -306,7 +354,8 @@ def _vllm_config(model_dir, tp, weights, kv_dtype, dtype, max_model_len,
                       max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens,
                       kv_cache_dtype=KV_DTYPES[kv_dtype],
-                      gpu_memory_utilization=utilization)
+                      gpu_memory_utilization=utilization,
+                      speculative_config=speculative_config)
     return args.create_engine_config()
 
 
@@ -404,7 +453,7 @@ def _nbytes_per_chip(x) -> int:
 def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                        target,
                        weights, kv_dtype, utilization, logits, sampling,
-                       token_buckets, log) -> Report:
+                       token_buckets, log, plan_assistant_bytes) -> Report:
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.utils import next_power_of_2  # as tpu_runner
@@ -508,6 +557,22 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
         group_names = tuple(
             tuple(g) + tuple(n for n, o in redirects.items() if o in g)
             for g in groups)
+        # Speculative decoding: the assistant's layers read the target's
+        # caches (kv_share.compute_mtp_kv_share_map), in the runner's
+        # layer -> cache index the target's step takes too.
+        spec_config = vllm_config.speculative_config
+        draft_sources = {}
+        if spec_config is not None:
+            if not spec_config.use_gemma4_mtp():
+                raise AotError("--assistant takes a Gemma 4 assistant "
+                               "(Gemma4AssistantForCausalLM); vLLM made "
+                               f"method {spec_config.method!r} of it")
+            from tpu_inference.models.common.kv_share import \
+                compute_mtp_kv_share_map
+            draft_sources = compute_mtp_kv_share_map(
+                spec_config.draft_model_config.hf_config, text)
+            layer_to_cache += tuple((d, index[t])
+                                    for d, t in draft_sources.items())
         report.weight_bytes = sum(_nbytes_per_chip(x)
                                   for x in model.state_leaves)
         lm = [x for path, x in jax.tree_util.tree_flatten_with_path(
@@ -529,6 +594,7 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                                next_power_of_2(packing)),
             max_token_size=scheduler_config.max_num_batched_tokens,
             padding_gap=envs.VLLM_TPU_BUCKET_PADDING_GAP)
+        all_paddings = paddings
         if token_buckets:
             paddings = [t for t in paddings if t in token_buckets]
         max_num_reqs = max(max_num_seqs, runner_utils.MIN_NUM_SEQS)
@@ -604,9 +670,19 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                                             + prog.concat_bitcasts
                                             + prog.kv_read_bytes / bw)
                 report.programs.append(prog)
+        if spec_config is not None:
+            # compute_logits takes every position a request may verify
+            # (tpu_runner's num_logits_paddings).
+            req_paddings_logits = runner_utils.get_token_paddings(
+                min_token_size=runner_utils.MIN_NUM_SEQS,
+                max_token_size=max_num_reqs * (
+                    spec_config.num_speculative_tokens + 1),
+                padding_gap=0)
+        else:
+            req_paddings_logits = req_paddings
         if logits:
             hidden = model_config.get_hidden_size()
-            for num_reqs in req_paddings:
+            for num_reqs in req_paddings_logits:
                 h = sds((num_reqs, hidden), jnp.bfloat16,
                         NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA,
                                               None)))
@@ -622,8 +698,159 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
             _compile_sampling(report, model_config, mesh, req_paddings,
                               tp, log)
 
+        if spec_config is not None:
+            _compile_drafter(report, vllm_config, model, mesh, kv_caches,
+                             layer_to_cache, groups, group_names,
+                             draft_sources, text, p, all_paddings[-1],
+                             paddings, attn_reqs, max_num_reqs, max_blocks,
+                             plan_assistant_bytes, log)
+
     _judge(report, p)
     return report
+
+
+def _compile_drafter(report, vllm_config, model, mesh, kv_caches,
+                     layer_to_cache, groups, group_names, draft_sources,
+                     text, p, max_num_tokens, paddings, attn_reqs,
+                     max_num_reqs, max_blocks, plan_assistant_bytes,
+                     log) -> None:
+    """The Gemma 4 assistant, as tpu-inference's `Eagle3Proposer` loads it
+    (`load_model`: `get_model(is_draft_model=True)`, the target's embedding
+    shared), and its two programs per (token bucket, request bucket), as
+    `_precompile_mtp_helpers` compiles them: `_propose` (the k draft steps)
+    and `_prepare_inputs`. The runner is not built here: the proposer gets
+    the runner attributes it reads (the mesh, the largest token bucket, the
+    target's state, the layer -> cache index)."""
+    import types
+    from dataclasses import replace
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tpu_inference.layers.common.attention_metadata import \
+        AttentionMetadata
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+    from tpu_inference.spec_decode.jax.eagle3 import Eagle3Proposer
+    from tpu_inference.utils import to_jax_dtype
+
+    from vllm_gemma_qat.fixes import sliding_window
+    spec_config = vllm_config.speculative_config
+    k = spec_config.num_speculative_tokens
+    report.assistant = str(spec_config.draft_model_config.model)
+    report.num_speculative_tokens = k
+    runner = types.SimpleNamespace(
+        mesh=mesh, max_num_tokens=max_num_tokens, state=model.state,
+        layer_name_to_kvcache_index=dict(layer_to_cache))
+    try:
+        proposer = Eagle3Proposer(vllm_config, runner)
+        proposer.load_model(model.state)
+    except AotError:
+        raise
+    except Exception as e:
+        raise AotError(f"tpu-inference did not build the assistant for "
+                       f"these flags: {type(e).__name__}: {e}") from e
+    # Its parameters that are not the target's (the embedding is shared).
+    target_leaves = {id(x) for x in model.state_leaves}
+    own = [x for x in proposer.state_leaves if id(x) not in target_leaves]
+    report.assistant_weight_bytes = sum(_nbytes_per_chip(x) for x in own)
+    report.plan_assistant_weight_bytes = plan_assistant_bytes
+    report.weight_bytes += report.assistant_weight_bytes
+
+    # Under gemma_qat's sliding-window KV (several cache groups), the draft
+    # layers read their sources' groups: the plugin's own bookkeeping
+    # (fixes/sliding_window.py `_read_for_the_drafter`, as its
+    # initialize_kv_cache runs it), and the proposer's block tables, one
+    # per group read, interleaved per request (its `propose` wrapper).
+    rows = sliding_window.row_layout(text) if p.kv_sliding_window else None
+    reads_were = dict(sliding_window._draft_reads)
+    tables = 1
+    try:
+        sliding_window._draft_reads.clear()
+        if rows is not None and len(groups) > 1:
+            places, source = {}, {}
+            for draft, target_layer in draft_sources.items():
+                place = rows.place.get(int(target_layer.split(".")[1]))
+                places[draft] = None if place is None else \
+                    sliding_window.RowPlace(*place, rows.slots_per_row)
+                source[draft] = target_layer if place is None \
+                    else f"layer.{place[0]}"
+            manager = types.SimpleNamespace(gemma_qat_draft_places=places)
+            sliding_window._read_for_the_drafter(manager, [
+                types.SimpleNamespace(layer_names=list(names) + [
+                    d for d, s in source.items() if s in names])
+                for names in group_names])
+            tables = len(manager.gemma_qat_draft_groups)
+        _compile_draft_programs(
+            report, proposer, Eagle3Proposer, mesh, kv_caches,
+            layer_to_cache, paddings, attn_reqs, max_num_reqs, max_blocks,
+            tables, k, vllm_config, AttentionMetadata, ShardingAxisName,
+            NamedSharding, P, jax, jnp, to_jax_dtype, replace, log)
+    finally:  # the plugin's state as it was
+        sliding_window._draft_reads.clear()
+        sliding_window._draft_reads.update(reads_were)
+
+
+def _compile_draft_programs(report, proposer, Eagle3Proposer, mesh,
+                            kv_caches, layer_to_cache, paddings, attn_reqs,
+                            max_num_reqs, max_blocks, tables, k, vllm_config,
+                            AttentionMetadata, ShardingAxisName,
+                            NamedSharding, P, jax, jnp, to_jax_dtype,
+                            replace, log) -> None:
+    data = NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA))
+    rows2d = NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA, None))
+
+    def sds(shape, dtype, sharding=data):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    model_config = vllm_config.model_config
+    draft_hidden = vllm_config.speculative_config.draft_model_config \
+        .get_hidden_size()
+    target_hidden = model_config.get_hidden_size()
+    dtype = to_jax_dtype(model_config.dtype)
+    per_req = sds((max_num_reqs, ), jnp.int32)
+    for num_tokens in paddings:
+        for num_reqs in attn_reqs:
+            ids = sds((num_tokens, ), jnp.int32)
+            md = AttentionMetadata(
+                input_positions=sds((num_tokens, ), jnp.int32),
+                block_tables=sds((max_num_reqs * max_blocks, ), jnp.int32),
+                seq_lens=per_req,
+                query_start_loc=sds((max_num_reqs + 1, ), jnp.int32),
+                request_distribution=sds((3, ), jnp.int32),
+                mamba_state_indices=None, padded_num_reqs=num_reqs)
+            # propose: the block tables of every group the drafter reads.
+            md_draft = replace(md, block_tables=sds(
+                (max_num_reqs * tables * max_blocks, ), jnp.int32))
+            prog = Program("drafter_propose", {"num_tokens": num_tokens,
+                                               "num_reqs": num_reqs,
+                                               "k": k})
+            _compile(prog, lambda: Eagle3Proposer._propose.lower(
+                proposer, state_leaves=proposer.state_leaves,
+                kv_caches=kv_caches, input_ids=ids, attn_metadata=md_draft,
+                last_token_indices=per_req,
+                target_hidden_states=sds((num_tokens, draft_hidden), dtype,
+                                         rows2d),
+                num_speculative_tokens=k,
+                layer_name_to_kvcache_index=layer_to_cache), mesh, log)
+            if prog.ok:
+                prog.est_seconds = prog.optimal_seconds + \
+                    prog.concat_bitcasts
+            report.programs.append(prog)
+            prog = Program("drafter_prepare_inputs",
+                           {"num_tokens": num_tokens, "num_reqs": num_reqs})
+            _compile(prog, lambda: Eagle3Proposer._prepare_inputs.lower(
+                proposer, state_leaves=proposer.state_leaves,
+                num_reqs=sds((1, ), jnp.int32), block_tables=md.block_tables,
+                attn_metadata=md, input_ids=ids,
+                aux_hidden_states=(sds((num_tokens, target_hidden),
+                                       jnp.bfloat16, rows2d), ),
+                last_sampled_token_id=per_req, next_prompt_token_id=per_req,
+                is_in_prefill=per_req, num_rejected_tokens=per_req), mesh,
+                log)
+            if prog.ok:
+                prog.est_seconds = prog.optimal_seconds + \
+                    prog.concat_bitcasts
+            report.programs.append(prog)
 
 
 def _compile_sampling(report, model_config, mesh, req_paddings, tp,
@@ -727,6 +954,13 @@ def _judge(report: Report, p) -> None:
             f"language-model weights per chip: the compiled step's "
             f"arguments {report.step_weight_bytes} B, the parameters as "
             f"laid out in HBM {report.lm_laid_out_bytes} B")
+    helper, plan_helper = (report.assistant_weight_bytes,
+                           report.plan_assistant_weight_bytes)
+    if report.assistant and plan_helper is not None and (
+            helper > plan_helper or report.tp == 1 and helper != plan_helper):
+        report.disagreements.append(
+            f"assistant weights per chip: the built drafter's {helper} B "
+            f"(its embedding is the target's), plan {plan_helper} B")
     if report.kv_bytes != report.plan_kv_bytes and not report.why_not:
         report.disagreements.append(
             f"KV cache per chip: compiled {report.kv_bytes} B, plan "
@@ -750,4 +984,7 @@ def _judge(report: Report, p) -> None:
         "which plan's byte counts (and the parameters' logical bytes) do not",
         "plan counts a vision tower whole on every chip (an upper bound); "
         "tpu-inference splits its attention and MLP under TP",
-    ]
+    ] + ([
+        "plan counts the assistant whole on every chip (an upper bound "
+        "under TP); the drafter's programs use the target's KV cache and "
+        "embedding (no KV of its own)"] if report.assistant else [])
