@@ -47,9 +47,12 @@ def compiled(request, checkpoints):
     path = checkpoints[geometry, form]
     # sample (four programs) on the TP=4 slices only: its logits are split
     # over the chips there; it does not depend on the model otherwise.
+    # The image programs (the runner's for a multimodal model) on the E2B
+    # cases only (both models are multimodal; the E4B ones skip them).
     report = compile_model(str(path), topo, tp=tp,
                            weights="bf16" if form == "bf16" else "int4",
-                           sampling=tp > 1, **FLAGS)
+                           sampling=tp > 1, images=geometry == "e2b",
+                           **FLAGS)
     return report, path
 
 
@@ -60,11 +63,30 @@ def test_every_startup_program_compiles(compiled):
     # The runner's buckets for these flags: one token bucket (16), one
     # request bucket (8): the step, compute_logits, and sample with and
     # without sampling parameters and logprobs.
+    # A multimodal model's image programs after the step, as the runner
+    # compiles them: the vision encoder (one image: the vision tower is not
+    # data-parallel here; tiny.py's default_output_length 16 x 3^2 patches),
+    # the embedding merge with and without image embeddings, the step with
+    # input embeddings (at the largest request bucket).
+    images = [
+        "vision_encoder(images=1, patches=144)",
+        "input_embeddings_merger(num_tokens=16)",
+        "input_embeddings_merger_text_only(num_tokens=16)",
+        "step_with_embeds(num_tokens=16, num_reqs=8)",
+    ] if "e2b" in str(compiled[1]) else []
     assert [p.label for p in report.programs] == [
-        "step(num_tokens=16, num_reqs=8)", "compute_logits(num_reqs=8)"] + [
+        "step(num_tokens=16, num_reqs=8)"] + images + [
+        "compute_logits(num_reqs=8)"] + [
         f"sample(num_reqs=8, do_sampling={s}, logprobs={lp})"
         for s in (1, 0) for lp in (1, 0) if report.tp > 1]
+    # The vision tower's attention is a Pallas kernel (flash attention):
+    # lowered through Mosaic for the TPU, as the step's RPA is.
     step = report.programs[0]
+    by_name = {p.name: p for p in report.programs}
+    if images:
+        assert by_name["vision_encoder"].mosaic_calls >= 1
+        assert by_name["step_with_embeds"].mosaic_calls == step.mosaic_calls
+    assert step.mosaic_calls > 0
     assert step.temp_bytes > 0 and step.code_bytes > 0 and step.flops > 0
     assert step.est_seconds and step.est_seconds > 0
     assert step.kv_read_bytes > 0  # added by arithmetic (RPA declares none)
@@ -108,7 +130,7 @@ def test_what_does_not_fit_says_so(checkpoints, capfd):
     rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
                    "v5e-1", "--max-model-len", "256", "--max-num-batched-"
                    "tokens", "16", "--utilization", "0.0001", "--no-logits",
-                   "--no-sampling"])
+                   "--no-sampling", "--no-images"])
     out = capfd.readouterr().out
     assert rc == 1, out
     assert "verdict          does NOT fit" in out
@@ -120,7 +142,8 @@ def test_a_multi_host_slice_compiles_tp_across_hosts(checkpoints):
     # v6e-16: 16 chips, 4 per host; TP=8 lays the model over two hosts.
     from vllm_gemma_qat.aot.compile import compile_model
     report = compile_model(str(checkpoints["e4b", "bf16"]), "v6e-16", tp=8,
-                           sampling=False, logits=False, **FLAGS)
+                           sampling=False, logits=False, images=False,
+                           **FLAGS)
     assert report.hosts == 2
     assert [(p.label, p.ok) for p in report.programs] == [
         ("step(num_tokens=16, num_reqs=8)", True)]
@@ -144,7 +167,7 @@ def test_the_assistants_drafter_programs_compile(checkpoints, tmp_path,
     rc = cli.main(["compile", str(target), "--topology", "v6e-1",
                    "--max-model-len", "256", "--max-num-seqs", "8",
                    "--max-num-batched-tokens", "16", "--no-sampling",
-                   "--assistant", str(helper), "--num-speculative-tokens",
+                   "--no-images", "--assistant", str(helper), "--num-speculative-tokens",
                    "2", "--json"])
     out = capfd.readouterr().out
     assert rc == 0, out[-3000:]

@@ -431,7 +431,8 @@ def cmd_compile(args) -> int:
             utilization=args.utilization, logits=not args.no_logits,
             sampling=not args.no_sampling,
             token_buckets=args.token_buckets, assistant=args.assistant,
-            num_speculative_tokens=args.num_speculative_tokens, log=log)
+            num_speculative_tokens=args.num_speculative_tokens,
+            images=not args.no_images, log=log)
     except (AotError, MissingTarget) as e:
         if not args.json:
             print(f"error: {e}", file=sys.stderr)
@@ -626,6 +627,10 @@ def main(argv=None) -> int:
                    help="skip compute_logits")
     p.add_argument("--no-sampling", action="store_true",
                    help="skip sample")
+    p.add_argument("--no-images", action="store_true",
+                   help="skip a multimodal model's image programs (vision "
+                   "encoder, embedding merge, step with input embeddings), "
+                   "which the runner compiles for a multimodal model")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compile)
     args = parser.parse_args(argv)

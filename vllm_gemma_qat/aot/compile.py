@@ -20,12 +20,19 @@ k}'`): the Gemma 4 assistant as tpu-inference's `Eagle3Proposer.load_model`
 builds it (the target's embedding shared), and per (token bucket, request
 bucket) its `_propose` (k draft steps over the target's KV cache) and
 `_prepare_inputs`, as `_precompile_mtp_helpers`; compute_logits then at the
-runner's logits buckets (k + 1 positions per request). Not compiled here:
-the runner's other small helpers (placeholder substitution, array
-selection, logprob gathering, structured decoding, and speculative
-decoding's rejection sampler and token bookkeeping), and a multimodal
-model's image programs (vision encoder, embedding merge, the step with
-input embeddings).
+runner's logits buckets (k + 1 positions per request). A multimodal model
+(unless `--no-images`): the vision encoder (`get_single_image_embedding`,
+whose attention is tpu-inference's Pallas flash attention, lowered through
+Mosaic for the target) at the patches Gemma 4's image processor pads an
+image to, the embedding merge with and without image embeddings, and the
+step with input embeddings per token bucket, as the runner runs them
+(`_precompile_input_embeddings_merger`,
+`_precompile_backbone_with_inputs_embeds`; the runner itself precompiles
+the vision encoder only for `additional_config`'s `vision_warmup_config`,
+else it compiles at the first image). Not compiled here: the runner's
+other small helpers (placeholder substitution, array selection, logprob
+gathering, structured decoding, and speculative decoding's rejection
+sampler and token bookkeeping), and audio.
 """
 from __future__ import annotations
 
@@ -63,6 +70,7 @@ class Program:
     bytes_accessed: float = 0.0
     optimal_seconds: float = 0.0
     concat_bitcasts: int = 0
+    mosaic_calls: int = 0  # Pallas kernels in the compiled program
     kv_read_bytes: int = 0  # by arithmetic (RPA declares none)
     est_seconds: float | None = None  # corrected, KV traffic added
 
@@ -141,11 +149,14 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
                   token_buckets: list[int] | None = None,
                   assistant: str | None = None,
                   num_speculative_tokens: int | None = None,
+                  images: bool = True,
                   log=None) -> Report:
     """Build and compile; `token_buckets`: compile only these of the
     runner's token buckets (None: all of them); `assistant`: a Gemma 4
     assistant directory served with it (`--speculative-config '{"model":
-    assistant, "num_speculative_tokens": k}'`; k None: vLLM's default)."""
+    assistant, "num_speculative_tokens": k}'`; k None: vLLM's default);
+    `images`: a multimodal model's image programs too (as the runner
+    compiles them for a multimodal model)."""
     topo = topology(topology_name)
     tp = tp or topo.chips
     if tp > topo.chips:
@@ -162,7 +173,8 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
             target, topo, tp, weights, kv_dtype, dtype, max_model_len,
             max_num_seqs, max_num_batched_tokens, utilization, logits,
             sampling, token_buckets, log,
-            (assistant, num_speculative_tokens) if assistant else None)
+            (assistant, num_speculative_tokens) if assistant else None,
+            images)
         if assistant:
             report.assistant = assistant
         return report
@@ -174,7 +186,7 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
 def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                          max_model_len, max_num_seqs, max_num_batched_tokens,
                          utilization, logits, sampling, token_buckets, log,
-                         speculative):
+                         speculative, images):
     started = time.perf_counter()
 
     from vllm_gemma_qat import checkpoint, cli, plan as planlib
@@ -210,7 +222,8 @@ def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                               max_num_batched_tokens, utilization, logits,
                               sampling, token_buckets, log, table, started,
                               geo,
-                              plan_weights, config, planlib, speculative)
+                              plan_weights, config, planlib, speculative,
+                              images)
     finally:  # (the knob, not a substitution: JAX's public config)
         jax.config.update("jax_enable_compilation_cache", cache_was)
 
@@ -219,7 +232,7 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                    max_num_seqs, max_num_batched_tokens, utilization, logits,
                    sampling, token_buckets, log, table, started, geo,
                    plan_weights,
-                   config, planlib, speculative) -> Report:
+                   config, planlib, speculative, images) -> Report:
     from jax.experimental import topologies
 
     from vllm_gemma_qat import substitute
@@ -296,7 +309,7 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                                         utilization, logits, sampling,
                                         token_buckets, log,
                                         speculative[2] if speculative
-                                        else None)
+                                        else None, images)
     report.build_s = time.perf_counter() - started
     return report
 
@@ -453,7 +466,8 @@ def _nbytes_per_chip(x) -> int:
 def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                        target,
                        weights, kv_dtype, utilization, logits, sampling,
-                       token_buckets, log, plan_assistant_bytes) -> Report:
+                       token_buckets, log, plan_assistant_bytes,
+                       images) -> Report:
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.utils import next_power_of_2  # as tpu_runner
@@ -629,23 +643,28 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
             read_per_token[bool(window) and text.layer_types[i] ==
                            "sliding_attention"] += _nbytes_per_chip(
                 kv_caches[n]) // (num_blocks * block_size)
+
+        def step_inputs(num_tokens, num_reqs):
+            """(ids, positions, metadata) as the runner passes them."""
+            ids = sds((num_tokens, ), jnp.int32, batch)
+            positions = sds((num_tokens, ), jnp.int32, data)
+            per_group = [AttentionMetadata(
+                input_positions=positions,
+                block_tables=sds((max_num_reqs * max_blocks, ), jnp.int32,
+                                 batch),
+                seq_lens=sds((max_num_reqs, ), jnp.int32, batch),
+                query_start_loc=sds((max_num_reqs + 1, ), jnp.int32, batch),
+                request_distribution=sds((3, ), jnp.int32, batch),
+                mamba_state_indices=None, padded_num_reqs=num_reqs,
+                pcp=None) for _ in groups]
+            # As the runner passes them: one metadata, or one per group.
+            md = per_group[0] if len(groups) == 1 else \
+                GroupedAttentionMetadata(per_group, group_names)
+            return ids, positions, md
+
         for num_tokens in paddings:
             for num_reqs in attn_reqs:
-                ids = sds((num_tokens, ), jnp.int32, batch)
-                positions = sds((num_tokens, ), jnp.int32, data)
-                per_group = [AttentionMetadata(
-                    input_positions=positions,
-                    block_tables=sds((max_num_reqs * max_blocks, ), jnp.int32,
-                                     batch),
-                    seq_lens=sds((max_num_reqs, ), jnp.int32, batch),
-                    query_start_loc=sds((max_num_reqs + 1, ), jnp.int32,
-                                        batch),
-                    request_distribution=sds((3, ), jnp.int32, batch),
-                    mamba_state_indices=None, padded_num_reqs=num_reqs,
-                    pcp=None) for _ in groups]
-                # As the runner passes them: one metadata, or one per group.
-                md = per_group[0] if len(groups) == 1 else \
-                    GroupedAttentionMetadata(per_group, group_names)
+                ids, positions, md = step_inputs(num_tokens, num_reqs)
                 inputs = [ids, *jax.tree_util.tree_leaves(md)]
                 prog = Program("step", {"num_tokens": num_tokens,
                                         "num_reqs": num_reqs})
@@ -670,6 +689,14 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                                             + prog.concat_bitcasts
                                             + prog.kv_read_bytes / bw)
                 report.programs.append(prog)
+        # The runner's is_multimodal_model: a multimodal model (vLLM's
+        # ModelConfig) with an embed_multimodal function.
+        if images and model_config.is_multimodal_model and \
+                model.multimodal_fns.embed_multimodal_fn is not None:
+            _compile_images(report, model, mesh, kv_caches, layer_to_cache,
+                            step, step_inputs, paddings, attn_reqs,
+                            model_config, log)
+
         if spec_config is not None:
             # compute_logits takes every position a request may verify
             # (tpu_runner's num_logits_paddings).
@@ -707,6 +734,88 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
 
     _judge(report, p)
     return report
+
+
+def _compile_images(report, model, mesh, kv_caches, layer_to_cache, step,
+                    step_inputs, paddings, attn_reqs, model_config,
+                    log) -> None:
+    """A multimodal model's image programs, as the runner runs them: the
+    vision encoder (`get_single_image_embedding`, one micro-batch of the
+    vision data-parallel size, at the patches Gemma 4's image processor
+    pads an image to: default_output_length x pooling_kernel_size^2), the
+    embedding merge with and without image embeddings
+    (`_precompile_input_embeddings_merger`), and the step with input
+    embeddings per token bucket (`_precompile_backbone_with_inputs_embeds`,
+    whose loop leaves the largest request bucket; token ids passed too, as
+    gemma_qat's fixes/image_steps.py has the runner pass them)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+    from tpu_inference.models.jax.utils.multi_modal_utils import \
+        flatten_pad_mm_embeds
+    from tpu_inference.utils import get_mesh_shape_product, to_jax_dtype
+
+    from vllm_gemma_qat import substitute
+    data = NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA))
+    rows2d = NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA, None))
+    dtype = to_jax_dtype(model_config.dtype)
+    hidden = model_config.get_hidden_size()
+
+    def sds(shape, dt, sharding):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+
+    vision = model_config.hf_config.vision_config
+    patches = vision.default_output_length * vision.pooling_kernel_size ** 2
+    images = get_mesh_shape_product(mesh, ShardingAxisName.VIT_BATCH)
+    pixels = NamedSharding(mesh, P(ShardingAxisName.VIT_BATCH, None, None))
+    prog = Program("vision_encoder", {"images": images, "patches": patches})
+    # (a jit of the method: the module, its parameters abstract, is its
+    # first argument, as when the runner calls it on the merged model)
+    _compile(prog, lambda: type(model.model).get_single_image_embedding.lower(
+        model.model, sds((images, patches, 3 * vision.patch_size ** 2), dtype, pixels),
+        sds((images, patches, 2), jnp.int32, pixels)), mesh, log)
+    report.programs.append(prog)
+
+    embed = model.multimodal_fns.embed_input_ids_fn
+    cells = dict(zip(embed.__code__.co_freevars,
+                     (c.cell_contents for c in embed.__closure__ or ())))
+    if "jitted_embed_input_ids" not in cells or \
+            "flatten_pad_mm_embeds" not in embed.__code__.co_names:
+        raise substitute.MissingTarget(
+            "tpu_inference.models.common.model_loader:get_flax_model's "
+            "run_embed_input_ids no longer pads through flatten_pad_mm_embeds "
+            "into jitted_embed_input_ids")
+    merge = cells["jitted_embed_input_ids"]
+    for num_tokens in paddings:
+        ids = sds((num_tokens, ), jnp.int32, data)
+        # flatten_pad_mm_embeds of the runner's one (num_tokens, hidden)
+        mm = jax.eval_shape(lambda x: flatten_pad_mm_embeds(
+            [x], target_pad_len=num_tokens),
+            sds((num_tokens, hidden), dtype, rows2d))
+        mm = sds(mm.shape, mm.dtype, rows2d)
+        for name, args in (("input_embeddings_merger",
+                            (mm, sds((num_tokens, ), jnp.bool_, data))),
+                           ("input_embeddings_merger_text_only",
+                            (None, None))):
+            prog = Program(name, {"num_tokens": num_tokens})
+            _compile(prog, lambda: merge.lower(
+                model.state_leaves, ids, args[0], is_multimodal=args[1]),
+                mesh, log)
+            report.programs.append(prog)
+
+    for num_tokens in paddings:
+        num_reqs = attn_reqs[-1]
+        ids, positions, md = step_inputs(num_tokens, num_reqs)
+        embeds = sds((num_tokens, hidden), dtype, rows2d)
+        prog = Program("step_with_embeds", {"num_tokens": num_tokens,
+                                            "num_reqs": num_reqs})
+        _compile(prog, lambda: step.lower(
+            model.state_leaves, kv_caches, ids, md, embeds, positions,
+            layer_to_cache, None, None, True, True), mesh, log)
+        if prog.ok:
+            prog.est_seconds = prog.optimal_seconds + prog.concat_bitcasts
+        report.programs.append(prog)
 
 
 def _compile_drafter(report, vllm_config, model, mesh, kv_caches,
@@ -930,8 +1039,9 @@ def _compile(prog: Program, lower, mesh, log) -> None:
     prog.flops = float(cost.get("flops", 0.0))
     prog.bytes_accessed = float(cost.get("bytes accessed", 0.0))
     prog.optimal_seconds = float(cost.get("optimal_seconds", 0.0))
-    prog.concat_bitcasts = compiled.as_text().count(
-        'custom_call_target="ConcatBitcast"')
+    text = compiled.as_text()
+    prog.concat_bitcasts = text.count('custom_call_target="ConcatBitcast"')
+    prog.mosaic_calls = text.count('custom_call_target="tpu_custom_call"')
     log(f"compiled {prog.label} in {prog.compile_s:.1f} s")
 
 
