@@ -6,8 +6,10 @@ TP=8 over two hosts of a v6e-16.
 
 Four compiles cover every model x topology and topology x weights pair (all
 eight would double the time); one token bucket each (the runner's buckets
-for --max-num-batched-tokens 16), `sample` on the TP=4 slices only, to keep
-the module near a minute."""
+for --max-num-batched-tokens 16), `sample` on the TP=4 slices only, the
+image programs on the (multimodal) E2B-like ones only, the runner's small
+helpers on all four; and a tiny Gemma 4 assistant's drafter programs
+(--assistant, k=2) on v6e-1, to keep the module near two minutes."""
 import json
 import re
 
@@ -78,7 +80,19 @@ def test_every_startup_program_compiles(compiled):
         "step(num_tokens=16, num_reqs=8)"] + images + [
         "compute_logits(num_reqs=8)"] + [
         f"sample(num_reqs=8, do_sampling={s}, logprobs={lp})"
-        for s in (1, 0) for lp in (1, 0) if report.tp > 1]
+        for s in (1, 0) for lp in (1, 0) if report.tp > 1] + [
+        # the runner's small helpers (async scheduling is on)
+        "substitute_placeholder_token(num_tokens=8, next_tokens=8, "
+        "ids_split=1, next_split=1)",
+        "substitute_placeholder_token(num_tokens=8, next_tokens=8, "
+        "ids_split=1, next_split=0)",
+        "substitute_placeholder_token(num_tokens=16, next_tokens=16, "
+        "ids_split=1, next_split=1)",
+        "substitute_placeholder_token(num_tokens=16, next_tokens=8, "
+        "ids_split=1, next_split=0)",
+        "select_from_array(of=hidden, rows=16, indices=8)",
+        "gather_logprobs(num_reqs=8)",
+        "gather_prompt_logprobs(num_tokens=16)"]
     # The vision tower's attention is a Pallas kernel (flash attention):
     # lowered through Mosaic for the TPU, as the step's RPA is.
     step = report.programs[0]
@@ -130,7 +144,7 @@ def test_what_does_not_fit_says_so(checkpoints, capfd):
     rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
                    "v5e-1", "--max-model-len", "256", "--max-num-batched-"
                    "tokens", "16", "--utilization", "0.0001", "--no-logits",
-                   "--no-sampling", "--no-images"])
+                   "--no-sampling", "--no-images", "--no-helpers"])
     out = capfd.readouterr().out
     assert rc == 1, out
     assert "verdict          does NOT fit" in out
@@ -143,7 +157,7 @@ def test_a_multi_host_slice_compiles_tp_across_hosts(checkpoints):
     from vllm_gemma_qat.aot.compile import compile_model
     report = compile_model(str(checkpoints["e4b", "bf16"]), "v6e-16", tp=8,
                            sampling=False, logits=False, images=False,
-                           **FLAGS)
+                           helpers=False, **FLAGS)
     assert report.hosts == 2
     assert [(p.label, p.ok) for p in report.programs] == [
         ("step(num_tokens=16, num_reqs=8)", True)]
@@ -174,12 +188,28 @@ def test_the_assistants_drafter_programs_compile(checkpoints, tmp_path,
     # vLLM's log lines of this process (its handlers hold pytest's stdout)
     # come before the report
     report = json.loads(out[out.index("{\n \"model\""):])
-    assert [(p["name"], p["shape"], p["ok"]) for p in report["programs"]] \
+    assert all(p["ok"] for p in report["programs"])
+    main = ("step", "compute_logits", "drafter_propose",
+            "drafter_prepare_inputs")
+    assert [(p["name"], p["shape"], p["ok"]) for p in report["programs"]
+            if p["name"] in main] \
         == [("step", {"num_tokens": 16, "num_reqs": 8}, True)] + [
         # every position a request may verify: 8 requests x (2 + 1)
         ("compute_logits", {"num_reqs": n}, True) for n in (8, 16, 32)] + [
         ("drafter_propose", {"num_tokens": 16, "num_reqs": 8, "k": 2}, True),
         ("drafter_prepare_inputs", {"num_tokens": 16, "num_reqs": 8}, True)]
+    # The helpers at speculative decoding's shapes: the bonus and target
+    # logits selected, logprobs over logits + bonus rows.
+    helpers = [(p["name"], p["shape"]) for p in report["programs"]
+               if p["name"] not in main]
+    assert ("select_from_array", {"of": "target logits", "rows": 32,
+                                  "indices": 32}) in helpers
+    assert ("select_from_array", {"of": "bonus logits", "rows": 32,
+                                  "indices": 8}) in helpers
+    assert ("gather_logprobs", {"num_logits": 32, "num_reqs": 8}) in helpers
+    assert ("substitute_placeholder_token", {
+        "num_tokens": 32, "next_tokens": 24, "ids_split": False,
+        "next_split": True}) in helpers
     assert report["num_speculative_tokens"] == 2
     assert not report["disagreements"] and report["fits"]
     plan = json.loads(_cli(["plan", str(target), "--context", "256",

@@ -432,7 +432,8 @@ def cmd_compile(args) -> int:
             sampling=not args.no_sampling,
             token_buckets=args.token_buckets, assistant=args.assistant,
             num_speculative_tokens=args.num_speculative_tokens,
-            images=not args.no_images, log=log)
+            images=not args.no_images, helpers=not args.no_helpers,
+            log=log)
     except (AotError, MissingTarget) as e:
         if not args.json:
             print(f"error: {e}", file=sys.stderr)
@@ -631,6 +632,10 @@ def main(argv=None) -> int:
                    help="skip a multimodal model's image programs (vision "
                    "encoder, embedding merge, step with input embeddings), "
                    "which the runner compiles for a multimodal model")
+    p.add_argument("--no-helpers", action="store_true",
+                   help="skip the runner's small helper programs "
+                   "(placeholder substitution, array selection, logprob "
+                   "gathering)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compile)
     args = parser.parse_args(argv)

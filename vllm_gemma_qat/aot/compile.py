@@ -29,10 +29,16 @@ step with input embeddings per token bucket, as the runner runs them
 (`_precompile_input_embeddings_merger`,
 `_precompile_backbone_with_inputs_embeds`; the runner itself precompiles
 the vision encoder only for `additional_config`'s `vision_warmup_config`,
-else it compiles at the first image). Not compiled here: the runner's
-other small helpers (placeholder substitution, array selection, logprob
-gathering, structured decoding, and speculative decoding's rejection
-sampler and token bookkeeping), and audio.
+else it compiles at the first image). The runner's small helpers (unless
+`--no-helpers`): `_substitute_placeholder_token` (async scheduling),
+`_select_from_array_fn` (with speculative decoding also the bonus and
+target logits) and the logprob gathers (`compute_and_gather_logprobs`,
+`compute_and_gather_prompt_logprobs` up to 1024 tokens), at the shapes
+compilation_manager gives them. Not compiled here: structured decoding,
+the disaggregated-serving helpers, continue_decode, speculative decoding's
+rejection sampler and token bookkeeping (`_precompile_rejection_sampler`,
+`_extract_*`, `_process_and_extend_logits`, `_subtract_num_rejected_tokens`,
+`_concat_last_sampled_tokens_and_draft_tokens`), and audio.
 """
 from __future__ import annotations
 
@@ -149,14 +155,15 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
                   token_buckets: list[int] | None = None,
                   assistant: str | None = None,
                   num_speculative_tokens: int | None = None,
-                  images: bool = True,
+                  images: bool = True, helpers: bool = True,
                   log=None) -> Report:
     """Build and compile; `token_buckets`: compile only these of the
     runner's token buckets (None: all of them); `assistant`: a Gemma 4
     assistant directory served with it (`--speculative-config '{"model":
     assistant, "num_speculative_tokens": k}'`; k None: vLLM's default);
     `images`: a multimodal model's image programs too (as the runner
-    compiles them for a multimodal model)."""
+    compiles them for a multimodal model); `helpers`: the runner's small
+    helper programs too."""
     topo = topology(topology_name)
     tp = tp or topo.chips
     if tp > topo.chips:
@@ -174,7 +181,7 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
             max_num_seqs, max_num_batched_tokens, utilization, logits,
             sampling, token_buckets, log,
             (assistant, num_speculative_tokens) if assistant else None,
-            images)
+            images, helpers)
         if assistant:
             report.assistant = assistant
         return report
@@ -186,7 +193,7 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
 def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                          max_model_len, max_num_seqs, max_num_batched_tokens,
                          utilization, logits, sampling, token_buckets, log,
-                         speculative, images):
+                         speculative, images, helpers):
     started = time.perf_counter()
 
     from vllm_gemma_qat import checkpoint, cli, plan as planlib
@@ -216,6 +223,11 @@ def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
     # persistent cache (a later read fails with a warning).
     cache_was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    # JAX's in-memory caches hold traces made for an earlier compile's
+    # topology (a nested jit's out_shardings resolved against its mesh:
+    # "Received incompatible devices" for the second topology in one
+    # process): every compile starts from empty caches, and leaves them so.
+    jax.clear_caches()
     try:
         return _compile_model(target, topo, tp, weights, kv_dtype, dtype,
                               max_model_len, max_num_seqs,
@@ -223,16 +235,18 @@ def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                               sampling, token_buckets, log, table, started,
                               geo,
                               plan_weights, config, planlib, speculative,
-                              images)
+                              images, helpers)
     finally:  # (the knob, not a substitution: JAX's public config)
         jax.config.update("jax_enable_compilation_cache", cache_was)
+        jax.clear_caches()
 
 
 def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                    max_num_seqs, max_num_batched_tokens, utilization, logits,
                    sampling, token_buckets, log, table, started, geo,
                    plan_weights,
-                   config, planlib, speculative, images) -> Report:
+                   config, planlib, speculative, images,
+                   helpers) -> Report:
     from jax.experimental import topologies
 
     from vllm_gemma_qat import substitute
@@ -309,7 +323,7 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                                         utilization, logits, sampling,
                                         token_buckets, log,
                                         speculative[2] if speculative
-                                        else None, images)
+                                        else None, images, helpers)
     report.build_s = time.perf_counter() - started
     return report
 
@@ -467,7 +481,7 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                        target,
                        weights, kv_dtype, utilization, logits, sampling,
                        token_buckets, log, plan_assistant_bytes,
-                       images) -> Report:
+                       images, helpers) -> Report:
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.utils import next_power_of_2  # as tpu_runner
@@ -725,6 +739,11 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
             _compile_sampling(report, model_config, mesh, req_paddings,
                               tp, log)
 
+        if helpers:
+            _compile_helpers(report, vllm_config, mesh, paddings,
+                             req_paddings, req_paddings_logits
+                             if spec_config is not None else None, tp, log)
+
         if spec_config is not None:
             _compile_drafter(report, vllm_config, model, mesh, kv_caches,
                              layer_to_cache, groups, group_names,
@@ -734,6 +753,130 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
 
     _judge(report, p)
     return report
+
+
+def _compile_helpers(report, vllm_config, mesh, token_paddings,
+                     req_paddings, logits_paddings, tp, log) -> None:
+    """The runner's small helper programs, as compilation_manager
+    precompiles them: `_substitute_placeholder_token` (async scheduling:
+    the previous step's sampled tokens put into the next step's ids),
+    `_select_from_array_fn` (the rows compute_logits takes; with
+    speculative decoding also the bonus and target logits), and the
+    logprob gathers (`compute_and_gather_logprobs` per request bucket,
+    `compute_and_gather_prompt_logprobs` per token bucket up to 1024).
+    `logits_paddings`: the runner's num_logits_paddings (speculative
+    decoding), else None."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+    from tpu_inference.layers.jax.sample.sampling import (
+        compute_and_gather_logprobs, compute_and_gather_prompt_logprobs,
+        logprobs_use_processed_logits)
+    from tpu_inference.runner import tpu_runner
+    from tpu_inference.utils import align_to
+
+    model_config = vllm_config.model_config
+    spec = vllm_config.speculative_config
+
+    def sharded(*spec_):
+        return NamedSharding(mesh, P(*spec_))
+
+    def sds(shape, dtype, sharding):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def add(name, shape, lower):
+        prog = Program(name, shape)
+        _compile(prog, lower, mesh, log)
+        report.programs.append(prog)
+
+    data = sharded(ShardingAxisName.ATTN_DATA)
+    whole = sharded(None)
+    if vllm_config.scheduler_config.async_scheduling:
+        substitute_fn = tpu_runner._substitute_placeholder_token
+        shapes = []  # (ids, their sharding, next tokens, their sharding)
+        sizes = sorted(set(token_paddings + req_paddings))
+        if spec is not None:
+            spec_next = max(req_paddings) * (spec.num_speculative_tokens + 1)
+            shapes += [(n, data, spec_next, data) for n in sizes]
+            shapes += [(n, whole, spec_next, data) for n in logits_paddings]
+        else:
+            for n in sizes:
+                shapes.append((n, data, n, data))
+                shapes += [(n, data, r, whole) for r in req_paddings]
+        seen = set()
+        for n, ids_sharding, m, next_sharding in shapes:
+            key = (n, m, ids_sharding.spec, next_sharding.spec)
+            if key in seen:
+                continue
+            seen.add(key)
+            indices = sds((n, ), jnp.int32, whole)
+            add("substitute_placeholder_token",
+                {"num_tokens": n, "next_tokens": m,
+                 "ids_split": ids_sharding is data,
+                 "next_split": next_sharding is data},
+                lambda: substitute_fn.lower(
+                    sds((n, ), jnp.int32, ids_sharding), indices, indices,
+                    sds((m, ), jnp.int32, next_sharding),
+                    sds((1, ), jnp.int32, whole)))
+
+    select = tpu_runner.TPUModelRunner._select_from_array_fn
+    pcp = vllm_config.sharding_config.prefill_cp_size
+    hidden = model_config.get_hidden_size()
+    vocab = align_to(model_config.get_vocab_size(), tp)
+    logits_sharding = sharded(ShardingAxisName.MLP_DATA,
+                              ShardingAxisName.MLP_TENSOR)
+    selections = [("hidden", token_paddings, logits_paddings or req_paddings,
+                   hidden, sharded(ShardingAxisName.ATTN_DATA, None), data,
+                   False)]
+    if spec is not None:
+        selections += [
+            ("bonus logits", logits_paddings, req_paddings, vocab,
+             logits_sharding, None, False),
+            ("target logits", logits_paddings, logits_paddings, vocab,
+             logits_sharding, None, True)]
+    for what, sources, indices, width, source_sharding, index_sharding, \
+            equal in selections:
+        for rows in sources:
+            for count in indices:
+                if (count != rows) if equal else (count > rows):
+                    continue  # as _should_skip_padding_combination
+                add("select_from_array", {"of": what, "rows": rows,
+                                          "indices": count},
+                    lambda: select.lower(
+                        jax.ShapeDtypeStruct((rows, width), jnp.bfloat16,
+                                             sharding=source_sharding),
+                        jax.ShapeDtypeStruct((count, ), jnp.int32,
+                                             sharding=index_sharding),
+                        mesh, pcp))
+
+    max_logprobs = model_config.max_logprobs
+    processed = logprobs_use_processed_logits(model_config.logprobs_mode)
+    row_sharding = sharded(ShardingAxisName.ATTN_DATA, None) if processed \
+        else logits_sharding
+    for num_reqs in req_paddings:
+        add("gather_logprobs", {"num_reqs": num_reqs},
+            lambda: compute_and_gather_logprobs.lower(
+                sds((num_reqs, vocab), jnp.float32, row_sharding),
+                sds((num_reqs, ), jnp.int32, sharded()), max_logprobs))
+    if spec is not None:
+        for num_logits in logits_paddings:
+            for num_reqs in req_paddings:
+                if num_reqs > num_logits:
+                    continue
+                n = num_logits + num_reqs
+                add("gather_logprobs", {"num_logits": num_logits,
+                                        "num_reqs": num_reqs},
+                    lambda: compute_and_gather_logprobs.lower(
+                        sds((n, vocab), jnp.float32, sharded()),
+                        sds((n, ), jnp.int32, data), max_logprobs))
+    for num_tokens in token_paddings:
+        if num_tokens > 1024:  # as the runner: longer prompts at run time
+            continue
+        add("gather_prompt_logprobs", {"num_tokens": num_tokens},
+            lambda: compute_and_gather_prompt_logprobs.lower(
+                sds((num_tokens, vocab), jnp.float32, logits_sharding),
+                sds((num_tokens, ), jnp.int32, sharded()), max_logprobs))
 
 
 def _compile_images(report, model, mesh, kv_caches, layer_to_cache, step,
