@@ -293,9 +293,16 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                 vllm_config = _vllm_config(
                     model_dir, tp, weights, kv_dtype, dtype, max_model_len,
                     max_num_seqs, max_num_batched_tokens, utilization, spec)
-            except ValueError as e:  # pydantic's ValidationError too
+            except (ValueError, TypeError) as e:  # pydantic's too
+                # vLLM 0.32 derives num_speculative_tokens from the draft
+                # config's n_predict, which a Gemma 4 assistant lacks: its
+                # SpeculativeConfig then fails comparing None > 1.
+                hint = "; give --num-speculative-tokens (vLLM derives " \
+                    "none from this assistant's config)" \
+                    if spec and "num_speculative_tokens" not in spec else ""
                 raise AotError(f"vLLM refuses these flags for {target}: "
-                               f"{_first_error(e)}") from None
+                               f"{type(e).__name__}: {_first_error(e)}"
+                               f"{hint}") from None
             # None: vLLM's default, the model's max_position_embeddings.
             max_model_len = vllm_config.model_config.max_model_len
             # `plan --tp` for the same flags, weights in the dtype vLLM
