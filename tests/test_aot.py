@@ -6,8 +6,10 @@ TP=8 over two hosts of a v6e-16.
 
 Four compiles cover every model x topology and topology x weights pair (all
 eight would double the time); one token bucket each (the runner's buckets
-for --max-num-batched-tokens 16), `sample` on the TP=4 slices only, to keep
-the module near a minute."""
+for --max-num-batched-tokens 16), `sample` on the TP=4 slices only, the
+image programs on the (multimodal) E2B-like ones only, the runner's small
+helpers on all four; and a tiny Gemma 4 assistant's drafter programs
+(--assistant, k=2) on v6e-1, to keep the module near two minutes."""
 import json
 import re
 
@@ -47,9 +49,12 @@ def compiled(request, checkpoints):
     path = checkpoints[geometry, form]
     # sample (four programs) on the TP=4 slices only: its logits are split
     # over the chips there; it does not depend on the model otherwise.
+    # The image programs (the runner's for a multimodal model) on the E2B
+    # cases only (both models are multimodal; the E4B ones skip them).
     report = compile_model(str(path), topo, tp=tp,
                            weights="bf16" if form == "bf16" else "int4",
-                           sampling=tp > 1, **FLAGS)
+                           sampling=tp > 1, images=geometry == "e2b",
+                           **FLAGS)
     return report, path
 
 
@@ -60,11 +65,42 @@ def test_every_startup_program_compiles(compiled):
     # The runner's buckets for these flags: one token bucket (16), one
     # request bucket (8): the step, compute_logits, and sample with and
     # without sampling parameters and logprobs.
+    # A multimodal model's image programs after the step, as the runner
+    # compiles them: the vision encoder (one image: the vision tower is not
+    # data-parallel here; tiny.py's default_output_length 16 x 3^2 patches),
+    # the embedding merge with and without image embeddings, the step with
+    # input embeddings (at the largest request bucket).
+    images = [
+        "vision_encoder(images=1, patches=144)",
+        "input_embeddings_merger(num_tokens=16)",
+        "input_embeddings_merger_text_only(num_tokens=16)",
+        "step_with_embeds(num_tokens=16, num_reqs=8)",
+    ] if "e2b" in str(compiled[1]) else []
     assert [p.label for p in report.programs] == [
-        "step(num_tokens=16, num_reqs=8)", "compute_logits(num_reqs=8)"] + [
+        "step(num_tokens=16, num_reqs=8)"] + images + [
+        "compute_logits(num_reqs=8)"] + [
         f"sample(num_reqs=8, do_sampling={s}, logprobs={lp})"
-        for s in (1, 0) for lp in (1, 0) if report.tp > 1]
+        for s in (1, 0) for lp in (1, 0) if report.tp > 1] + [
+        # the runner's small helpers (async scheduling is on)
+        "substitute_placeholder_token(num_tokens=8, next_tokens=8, "
+        "ids_split=1, next_split=1)",
+        "substitute_placeholder_token(num_tokens=8, next_tokens=8, "
+        "ids_split=1, next_split=0)",
+        "substitute_placeholder_token(num_tokens=16, next_tokens=16, "
+        "ids_split=1, next_split=1)",
+        "substitute_placeholder_token(num_tokens=16, next_tokens=8, "
+        "ids_split=1, next_split=0)",
+        "select_from_array(of=hidden, rows=16, indices=8)",
+        "gather_logprobs(num_reqs=8)",
+        "gather_prompt_logprobs(num_tokens=16)"]
+    # The vision tower's attention is a Pallas kernel (flash attention):
+    # lowered through Mosaic for the TPU, as the step's RPA is.
     step = report.programs[0]
+    by_name = {p.name: p for p in report.programs}
+    if images:
+        assert by_name["vision_encoder"].mosaic_calls >= 1
+        assert by_name["step_with_embeds"].mosaic_calls == step.mosaic_calls
+    assert step.mosaic_calls > 0
     assert step.temp_bytes > 0 and step.code_bytes > 0 and step.flops > 0
     assert step.est_seconds and step.est_seconds > 0
     assert step.kv_read_bytes > 0  # added by arithmetic (RPA declares none)
@@ -108,7 +144,7 @@ def test_what_does_not_fit_says_so(checkpoints, capfd):
     rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
                    "v5e-1", "--max-model-len", "256", "--max-num-batched-"
                    "tokens", "16", "--utilization", "0.0001", "--no-logits",
-                   "--no-sampling"])
+                   "--no-sampling", "--no-images", "--no-helpers"])
     out = capfd.readouterr().out
     assert rc == 1, out
     assert "verdict          does NOT fit" in out
@@ -120,11 +156,68 @@ def test_a_multi_host_slice_compiles_tp_across_hosts(checkpoints):
     # v6e-16: 16 chips, 4 per host; TP=8 lays the model over two hosts.
     from vllm_gemma_qat.aot.compile import compile_model
     report = compile_model(str(checkpoints["e4b", "bf16"]), "v6e-16", tp=8,
-                           sampling=False, logits=False, **FLAGS)
+                           sampling=False, logits=False, images=False,
+                           helpers=False, **FLAGS)
     assert report.hosts == 2
     assert [(p.label, p.ok) for p in report.programs] == [
         ("step(num_tokens=16, num_reqs=8)", True)]
     assert report.fits and not report.disagreements
+
+
+def test_the_assistants_drafter_programs_compile(checkpoints, tmp_path,
+                                                capfd):
+    """--assistant: the Gemma 4 assistant built as tpu-inference's proposer
+    loads it, its programs compiled as `_precompile_mtp_helpers` compiles
+    them (the tiny E2B-like target packs sliding KV: the drafter reads two
+    cache groups), and its weights per chip as `plan --assistant` counts
+    them (TP=1: nothing split)."""
+    import torch
+
+    from vllm_gemma_qat.testing import assistant
+    target = checkpoints["e2b", "bf16"]
+    helper = assistant.save(assistant.build(
+        assistant.target_text_config(target)), tmp_path / "assistant",
+        torch.bfloat16)
+    rc = cli.main(["compile", str(target), "--topology", "v6e-1",
+                   "--max-model-len", "256", "--max-num-seqs", "8",
+                   "--max-num-batched-tokens", "16", "--no-sampling",
+                   "--no-images", "--assistant", str(helper), "--num-speculative-tokens",
+                   "2", "--json"])
+    out = capfd.readouterr().out
+    assert rc == 0, out[-3000:]
+    # vLLM's log lines of this process (its handlers hold pytest's stdout)
+    # come before the report
+    report = json.loads(out[out.index("{\n \"model\""):])
+    assert all(p["ok"] for p in report["programs"])
+    main = ("step", "compute_logits", "drafter_propose",
+            "drafter_prepare_inputs")
+    assert [(p["name"], p["shape"], p["ok"]) for p in report["programs"]
+            if p["name"] in main] \
+        == [("step", {"num_tokens": 16, "num_reqs": 8}, True)] + [
+        # every position a request may verify: 8 requests x (2 + 1)
+        ("compute_logits", {"num_reqs": n}, True) for n in (8, 16, 32)] + [
+        ("drafter_propose", {"num_tokens": 16, "num_reqs": 8, "k": 2}, True),
+        ("drafter_prepare_inputs", {"num_tokens": 16, "num_reqs": 8}, True)]
+    # The helpers at speculative decoding's shapes: the bonus and target
+    # logits selected, logprobs over logits + bonus rows.
+    helpers = [(p["name"], p["shape"]) for p in report["programs"]
+               if p["name"] not in main]
+    assert ("select_from_array", {"of": "target logits", "rows": 32,
+                                  "indices": 32}) in helpers
+    assert ("select_from_array", {"of": "bonus logits", "rows": 32,
+                                  "indices": 8}) in helpers
+    assert ("gather_logprobs", {"num_logits": 32, "num_reqs": 8}) in helpers
+    assert ("substitute_placeholder_token", {
+        "num_tokens": 32, "next_tokens": 24, "ids_split": False,
+        "next_split": True}) in helpers
+    assert report["num_speculative_tokens"] == 2
+    assert not report["disagreements"] and report["fits"]
+    plan = json.loads(_cli(["plan", str(target), "--context", "256",
+                            "--dtype", "bfloat16", "--assistant",
+                            str(helper), "--json"]))
+    assert report["assistant_weight_bytes"] == plan["assistant_bytes"] == \
+        report["plan_assistant_weight_bytes"] > 0
+    assert report["weight_bytes"] == plan["weight_bytes_per_chip"]
 
 
 def test_unknown_topology_is_one_clear_error(checkpoints, capfd):

@@ -430,7 +430,10 @@ def cmd_compile(args) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             utilization=args.utilization, logits=not args.no_logits,
             sampling=not args.no_sampling,
-            token_buckets=args.token_buckets, log=log)
+            token_buckets=args.token_buckets, assistant=args.assistant,
+            num_speculative_tokens=args.num_speculative_tokens,
+            images=not args.no_images, helpers=not args.no_helpers,
+            log=log)
     except (AotError, MissingTarget) as e:
         if not args.json:
             print(f"error: {e}", file=sys.stderr)
@@ -485,6 +488,13 @@ def _print_compile(r) -> None:
           f"{_size(r.plan_weight_bytes)}, language model "
           f"{_size(r.plan_lm_weight_bytes)}); the step's arguments as laid "
           f"out in HBM (memory_analysis): {_size(r.step_weight_bytes)}")
+    if r.assistant:
+        plan_helper = "config only, not counted" \
+            if r.plan_assistant_weight_bytes is None \
+            else _size(r.plan_assistant_weight_bytes)
+        print(f"  assistant        {_size(r.assistant_weight_bytes)} of the "
+              f"weights ({r.assistant}, {r.num_speculative_tokens} "
+              f"speculative tokens; plan, whole: {plan_helper})")
     print(f"  KV cache         {_size(r.kv_bytes)} (plan: "
           f"{_size(r.plan_kv_bytes)}, {r.plan_kv_cache_tokens} tokens)")
     print(f"  largest temp     {_size(r.max_temp_bytes)}")
@@ -605,10 +615,28 @@ def main(argv=None) -> int:
                                                       t.split(",")],
                    default=None, help="compile only these of the runner's "
                    "token buckets (comma-separated; default: all)")
+    p.add_argument("--assistant", metavar="DIR",
+                   help="a Gemma 4 assistant served with it, as "
+                   "--speculative-config '{\"model\": DIR, ...}': its "
+                   "drafter programs compiled too, its weights counted "
+                   "(a directory; config.json alone is enough)")
+    p.add_argument("--num-speculative-tokens", type=_positive(int),
+                   default=None, help="--speculative-config's "
+                   "num_speculative_tokens (default, as vLLM's: the "
+                   "assistant config's n_predict; vLLM 0.32 derives none "
+                   "for a Gemma 4 assistant and fails: give it)")
     p.add_argument("--no-logits", action="store_true",
                    help="skip compute_logits")
     p.add_argument("--no-sampling", action="store_true",
                    help="skip sample")
+    p.add_argument("--no-images", action="store_true",
+                   help="skip a multimodal model's image programs (vision "
+                   "encoder, embedding merge, step with input embeddings), "
+                   "which the runner compiles for a multimodal model")
+    p.add_argument("--no-helpers", action="store_true",
+                   help="skip the runner's small helper programs "
+                   "(placeholder substitution, array selection, logprob "
+                   "gathering)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compile)
     args = parser.parse_args(argv)

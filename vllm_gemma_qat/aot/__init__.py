@@ -17,6 +17,14 @@ from what is installed stops it with `substitute.MissingTarget`:
   abstract array with the sharding its partition spec names (what
   `create_sharded_model` constrains it to); int4 (wNa16) linears in the
   layout `process_weights_after_loading` leaves. No weights are allocated.
+  The same for the drafter of speculative decoding (`--assistant`), which
+  `Eagle3Proposer.load_model` builds through it.
+- `eagle3.jnp` (jax.numpy as the proposer's module sees it), for
+  `jnp.any` only: `Eagle3Proposer.load_model` asks whether the drafter's
+  embedding holds any nonzero value; an abstract parameter has none to
+  read: taken as yes (the checkpoint's own). For the Gemma 4 assistant the
+  branch then taken shares the target's embedding unconditionally, as on a
+  server; every other `jnp.*` is jax.numpy's.
 - `kv_cache._get_kv_cache_allocator`: `create_kv_caches` returns abstract
   arrays (shape, dtype, sharding as it would allocate them).
 - RPA v3's `get_tpu_version` (imported by name by `kernel.py` and
@@ -96,6 +104,11 @@ def substitutions(topo: Topology, int4_layout) -> list:
                      "vLLM's config is built from a config-only directory "
                      "(no shards to check); compile runs the same header "
                      "check on the real checkpoint first"),
+        Substitution("vllm_gemma_qat.preflight:check_local_assistant",
+                     _checked_already,
+                     "the same for --speculative-config's assistant "
+                     "(config-only too): compile checks the real one "
+                     "against the target first"),
         Substitution("tpu_inference.models.common.model_loader:_get_nnx_model",
                      _abstract_model(int4_layout),
                      "no weights: the model as nnx.eval_shape builds it "
@@ -111,11 +124,33 @@ def substitutions(topo: Topology, int4_layout) -> list:
                      f"the target's TPU version ({version})"),
         Substitution(f"{rpa}.tuned_block_sizes:get_tpu_version", tpu_version,
                      "the same, imported by name for RPA's block sizes"),
+        Substitution("tpu_inference.spec_decode.jax.eagle3:jnp",
+                     _JnpAbstractAny(),
+                     "Eagle3Proposer.load_model's jnp.any on the drafter's "
+                     "embedding: an abstract parameter counts as nonzero "
+                     "(no values to read); jax.numpy otherwise"),
     ]
 
 
 def _checked_already(*args, **kwargs) -> None:
     return None
+
+
+class _JnpAbstractAny:
+    """jax.numpy, but `any` of an abstract array (a ShapeDtypeStruct) is
+    True: there are no values to read."""
+
+    def __getattr__(self, name):
+        import jax.numpy as jnp
+        return getattr(jnp, name)
+
+    @staticmethod
+    def any(x, *args, **kwargs):
+        import jax
+        import jax.numpy as jnp
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return True
+        return jnp.any(x, *args, **kwargs)
 
 
 def _abstract_model(int4_layout):
@@ -125,9 +160,9 @@ def _abstract_model(int4_layout):
         import jax
         from flax import nnx
         from jax.sharding import NamedSharding, PartitionSpec
-        if is_draft_model or pooler is not None:
-            raise AotError("AOT mode builds the target model only (no "
-                           "drafter, no pooling)")
+        if pooler is not None:
+            raise AotError("AOT mode builds generative models only (no "
+                           "pooling)")
         with jax.set_mesh(mesh):
             model = nnx.eval_shape(lambda: model_class(vllm_config, rng, mesh),
                                    graph_updates=False)

@@ -14,11 +14,31 @@ program the runner compiles for text serving is lowered and compiled for
 the target: the step per (token bucket, request bucket), as
 `_precompile_backbone_text_only`; `compute_logits` and `sample` (with and
 without sampling parameters and logprobs) per request bucket, as
-`_precompile_compute_logits` / `_precompile_sampling`. Not compiled here:
-the runner's other small helpers (placeholder substitution, array
-selection, logprob gathering, structured decoding), and a multimodal
-model's image programs (vision encoder, embedding merge, the step with
-input embeddings).
+`_precompile_compute_logits` / `_precompile_sampling`. With `--assistant
+DIR` (`--speculative-config '{"model": DIR, "num_speculative_tokens":
+k}'`): the Gemma 4 assistant as tpu-inference's `Eagle3Proposer.load_model`
+builds it (the target's embedding shared), and per (token bucket, request
+bucket) its `_propose` (k draft steps over the target's KV cache) and
+`_prepare_inputs`, as `_precompile_mtp_helpers`; compute_logits then at the
+runner's logits buckets (k + 1 positions per request). A multimodal model
+(unless `--no-images`): the vision encoder (`get_single_image_embedding`,
+whose attention is tpu-inference's Pallas flash attention, lowered through
+Mosaic for the target) at the patches Gemma 4's image processor pads an
+image to, the embedding merge with and without image embeddings, and the
+step with input embeddings per token bucket, as the runner runs them
+(`_precompile_input_embeddings_merger`,
+`_precompile_backbone_with_inputs_embeds`; the runner itself precompiles
+the vision encoder only for `additional_config`'s `vision_warmup_config`,
+else it compiles at the first image). The runner's small helpers (unless
+`--no-helpers`): `_substitute_placeholder_token` (async scheduling),
+`_select_from_array_fn` (with speculative decoding also the bonus and
+target logits) and the logprob gathers (`compute_and_gather_logprobs`,
+`compute_and_gather_prompt_logprobs` up to 1024 tokens), at the shapes
+compilation_manager gives them. Not compiled here: structured decoding,
+the disaggregated-serving helpers, continue_decode, speculative decoding's
+rejection sampler and token bookkeeping (`_precompile_rejection_sampler`,
+`_extract_*`, `_process_and_extend_logits`, `_subtract_num_rejected_tokens`,
+`_concat_last_sampled_tokens_and_draft_tokens`), and audio.
 """
 from __future__ import annotations
 
@@ -56,6 +76,7 @@ class Program:
     bytes_accessed: float = 0.0
     optimal_seconds: float = 0.0
     concat_bitcasts: int = 0
+    mosaic_calls: int = 0  # Pallas kernels in the compiled program
     kv_read_bytes: int = 0  # by arithmetic (RPA declares none)
     est_seconds: float | None = None  # corrected, KV traffic added
 
@@ -89,6 +110,12 @@ class Report:
     # memory_analysis of a program taking every language-model parameter:
     # their bytes as laid out in HBM (TPU tiling pads small dimensions)
     lm_laid_out_bytes: int = 0
+    # speculative decoding (--assistant): the drafter's parameters per chip
+    # that are not the target's (in weight_bytes), and plan's figure
+    assistant: str | None = None
+    num_speculative_tokens: int = 0
+    assistant_weight_bytes: int = 0
+    plan_assistant_weight_bytes: int | None = None
     kv_bytes: int = 0  # the KV cache's shards
     max_temp_bytes: int = 0
     max_code_bytes: int = 0
@@ -126,9 +153,17 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
                   utilization: float = 0.92, logits: bool = True,
                   sampling: bool = True,
                   token_buckets: list[int] | None = None,
+                  assistant: str | None = None,
+                  num_speculative_tokens: int | None = None,
+                  images: bool = True, helpers: bool = True,
                   log=None) -> Report:
     """Build and compile; `token_buckets`: compile only these of the
-    runner's token buckets (None: all of them)."""
+    runner's token buckets (None: all of them); `assistant`: a Gemma 4
+    assistant directory served with it (`--speculative-config '{"model":
+    assistant, "num_speculative_tokens": k}'`; k None: vLLM's default);
+    `images`: a multimodal model's image programs too (as the runner
+    compiles them for a multimodal model); `helpers`: the runner's small
+    helper programs too."""
     topo = topology(topology_name)
     tp = tp or topo.chips
     if tp > topo.chips:
@@ -141,10 +176,15 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
     environ = dict(os.environ)
     try:
         _environment(topo)
-        return _compile_with_plugin(target, topo, tp, weights, kv_dtype,
-                                    dtype, max_model_len, max_num_seqs,
-                                    max_num_batched_tokens, utilization,
-                                    logits, sampling, token_buckets, log)
+        report = _compile_with_plugin(
+            target, topo, tp, weights, kv_dtype, dtype, max_model_len,
+            max_num_seqs, max_num_batched_tokens, utilization, logits,
+            sampling, token_buckets, log,
+            (assistant, num_speculative_tokens) if assistant else None,
+            images, helpers)
+        if assistant:
+            report.assistant = assistant
+        return report
     finally:  # the caller's environment back (a server started next)
         os.environ.clear()
         os.environ.update(environ)
@@ -152,12 +192,27 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
 
 def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                          max_model_len, max_num_seqs, max_num_batched_tokens,
-                         utilization, logits, sampling, token_buckets, log):
+                         utilization, logits, sampling, token_buckets, log,
+                         speculative, images, helpers):
     started = time.perf_counter()
 
-    from vllm_gemma_qat import cli, plan as planlib
+    from vllm_gemma_qat import checkpoint, cli, plan as planlib
     geo, plan_weights, _, _, config = cli._plan_inputs(
         target, int4_export_ok=weights == "int4")
+    if speculative:  # its config (a local directory), checked as plan does
+        helper = checkpoint.resolve(speculative[0], allow_download=False)
+        helper_config = checkpoint.read_config(helper)
+        plan_helper = None  # a config-only directory: no bytes to count
+        from vllm_gemma_qat import assistant as assistantlib
+        if not assistantlib.is_assistant(helper_config):
+            raise assistantlib.not_an_assistant(speculative[0], helper_config)
+        if not cli._config_only(helper):
+            plan_helper, _, _ = cli._assistant_bytes(
+                target, config, str(helper), dtype)
+            import dataclasses
+            plan_weights = dataclasses.replace(plan_weights,
+                                               assistant_bytes=plan_helper)
+        speculative = (helper_config, speculative[1], plan_helper)
 
     import jax
 
@@ -168,22 +223,30 @@ def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
     # persistent cache (a later read fails with a warning).
     cache_was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    # JAX's in-memory caches hold traces made for an earlier compile's
+    # topology (a nested jit's out_shardings resolved against its mesh:
+    # "Received incompatible devices" for the second topology in one
+    # process): every compile starts from empty caches, and leaves them so.
+    jax.clear_caches()
     try:
         return _compile_model(target, topo, tp, weights, kv_dtype, dtype,
                               max_model_len, max_num_seqs,
                               max_num_batched_tokens, utilization, logits,
                               sampling, token_buckets, log, table, started,
                               geo,
-                              plan_weights, config, planlib)
+                              plan_weights, config, planlib, speculative,
+                              images, helpers)
     finally:  # (the knob, not a substitution: JAX's public config)
         jax.config.update("jax_enable_compilation_cache", cache_was)
+        jax.clear_caches()
 
 
 def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                    max_num_seqs, max_num_batched_tokens, utilization, logits,
                    sampling, token_buckets, log, table, started, geo,
                    plan_weights,
-                   config, planlib) -> Report:
+                   config, planlib, speculative, images,
+                   helpers) -> Report:
     from jax.experimental import topologies
 
     from vllm_gemma_qat import substitute
@@ -216,14 +279,30 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
             else None)
     with tempfile.TemporaryDirectory(prefix="gemma-qat-aot-") as tmp:
         model_dir = _config_dir(Path(tmp), config, weights)
+        spec = None
+        if speculative:
+            helper_dir = Path(tmp, "assistant")
+            helper_dir.mkdir()
+            (helper_dir / "config.json").write_text(
+                json.dumps(speculative[0]))
+            spec = {"model": str(helper_dir)}
+            if speculative[1] is not None:
+                spec["num_speculative_tokens"] = speculative[1]
         with substitute.applied(table, "vllm-gemma-qat AOT mode"):
             try:
                 vllm_config = _vllm_config(
                     model_dir, tp, weights, kv_dtype, dtype, max_model_len,
-                    max_num_seqs, max_num_batched_tokens, utilization)
-            except ValueError as e:  # pydantic's ValidationError too
+                    max_num_seqs, max_num_batched_tokens, utilization, spec)
+            except (ValueError, TypeError) as e:  # pydantic's too
+                # vLLM 0.32 derives num_speculative_tokens from the draft
+                # config's n_predict, which a Gemma 4 assistant lacks: its
+                # SpeculativeConfig then fails comparing None > 1.
+                hint = "; give --num-speculative-tokens (vLLM derives " \
+                    "none from this assistant's config)" \
+                    if spec and "num_speculative_tokens" not in spec else ""
                 raise AotError(f"vLLM refuses these flags for {target}: "
-                               f"{_first_error(e)}") from None
+                               f"{type(e).__name__}: {_first_error(e)}"
+                               f"{hint}") from None
             # None: vLLM's default, the model's max_position_embeddings.
             max_model_len = vllm_config.model_config.max_model_len
             # `plan --tp` for the same flags, weights in the dtype vLLM
@@ -249,7 +328,9 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                                         geo,
                                         target, weights, kv_dtype,
                                         utilization, logits, sampling,
-                                        token_buckets, log)
+                                        token_buckets, log,
+                                        speculative[2] if speculative
+                                        else None, images, helpers)
     report.build_s = time.perf_counter() - started
     return report
 
@@ -297,7 +378,8 @@ def _first_error(e: Exception) -> str:
 
 
 def _vllm_config(model_dir, tp, weights, kv_dtype, dtype, max_model_len,
-                 max_num_seqs, max_num_batched_tokens, utilization):
+                 max_num_seqs, max_num_batched_tokens, utilization,
+                 speculative_config=None):
     from vllm.engine.arg_utils import EngineArgs
     from vllm_gemma_qat.gate import LOAD_FORMAT
     args = EngineArgs(model=str(model_dir), load_format=LOAD_FORMAT,
@@ -306,7 +388,8 @@ def _vllm_config(model_dir, tp, weights, kv_dtype, dtype, max_model_len,
                       max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens,
                       kv_cache_dtype=KV_DTYPES[kv_dtype],
-                      gpu_memory_utilization=utilization)
+                      gpu_memory_utilization=utilization,
+                      speculative_config=speculative_config)
     return args.create_engine_config()
 
 
@@ -404,7 +487,8 @@ def _nbytes_per_chip(x) -> int:
 def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                        target,
                        weights, kv_dtype, utilization, logits, sampling,
-                       token_buckets, log) -> Report:
+                       token_buckets, log, plan_assistant_bytes,
+                       images, helpers) -> Report:
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.utils import next_power_of_2  # as tpu_runner
@@ -508,6 +592,22 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
         group_names = tuple(
             tuple(g) + tuple(n for n, o in redirects.items() if o in g)
             for g in groups)
+        # Speculative decoding: the assistant's layers read the target's
+        # caches (kv_share.compute_mtp_kv_share_map), in the runner's
+        # layer -> cache index the target's step takes too.
+        spec_config = vllm_config.speculative_config
+        draft_sources = {}
+        if spec_config is not None:
+            if not spec_config.use_gemma4_mtp():
+                raise AotError("--assistant takes a Gemma 4 assistant "
+                               "(Gemma4AssistantForCausalLM); vLLM made "
+                               f"method {spec_config.method!r} of it")
+            from tpu_inference.models.common.kv_share import \
+                compute_mtp_kv_share_map
+            draft_sources = compute_mtp_kv_share_map(
+                spec_config.draft_model_config.hf_config, text)
+            layer_to_cache += tuple((d, index[t])
+                                    for d, t in draft_sources.items())
         report.weight_bytes = sum(_nbytes_per_chip(x)
                                   for x in model.state_leaves)
         lm = [x for path, x in jax.tree_util.tree_flatten_with_path(
@@ -529,6 +629,7 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                                next_power_of_2(packing)),
             max_token_size=scheduler_config.max_num_batched_tokens,
             padding_gap=envs.VLLM_TPU_BUCKET_PADDING_GAP)
+        all_paddings = paddings
         if token_buckets:
             paddings = [t for t in paddings if t in token_buckets]
         max_num_reqs = max(max_num_seqs, runner_utils.MIN_NUM_SEQS)
@@ -563,23 +664,28 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
             read_per_token[bool(window) and text.layer_types[i] ==
                            "sliding_attention"] += _nbytes_per_chip(
                 kv_caches[n]) // (num_blocks * block_size)
+
+        def step_inputs(num_tokens, num_reqs):
+            """(ids, positions, metadata) as the runner passes them."""
+            ids = sds((num_tokens, ), jnp.int32, batch)
+            positions = sds((num_tokens, ), jnp.int32, data)
+            per_group = [AttentionMetadata(
+                input_positions=positions,
+                block_tables=sds((max_num_reqs * max_blocks, ), jnp.int32,
+                                 batch),
+                seq_lens=sds((max_num_reqs, ), jnp.int32, batch),
+                query_start_loc=sds((max_num_reqs + 1, ), jnp.int32, batch),
+                request_distribution=sds((3, ), jnp.int32, batch),
+                mamba_state_indices=None, padded_num_reqs=num_reqs,
+                pcp=None) for _ in groups]
+            # As the runner passes them: one metadata, or one per group.
+            md = per_group[0] if len(groups) == 1 else \
+                GroupedAttentionMetadata(per_group, group_names)
+            return ids, positions, md
+
         for num_tokens in paddings:
             for num_reqs in attn_reqs:
-                ids = sds((num_tokens, ), jnp.int32, batch)
-                positions = sds((num_tokens, ), jnp.int32, data)
-                per_group = [AttentionMetadata(
-                    input_positions=positions,
-                    block_tables=sds((max_num_reqs * max_blocks, ), jnp.int32,
-                                     batch),
-                    seq_lens=sds((max_num_reqs, ), jnp.int32, batch),
-                    query_start_loc=sds((max_num_reqs + 1, ), jnp.int32,
-                                        batch),
-                    request_distribution=sds((3, ), jnp.int32, batch),
-                    mamba_state_indices=None, padded_num_reqs=num_reqs,
-                    pcp=None) for _ in groups]
-                # As the runner passes them: one metadata, or one per group.
-                md = per_group[0] if len(groups) == 1 else \
-                    GroupedAttentionMetadata(per_group, group_names)
+                ids, positions, md = step_inputs(num_tokens, num_reqs)
                 inputs = [ids, *jax.tree_util.tree_leaves(md)]
                 prog = Program("step", {"num_tokens": num_tokens,
                                         "num_reqs": num_reqs})
@@ -604,9 +710,27 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                                             + prog.concat_bitcasts
                                             + prog.kv_read_bytes / bw)
                 report.programs.append(prog)
+        # The runner's is_multimodal_model: a multimodal model (vLLM's
+        # ModelConfig) with an embed_multimodal function.
+        if images and model_config.is_multimodal_model and \
+                model.multimodal_fns.embed_multimodal_fn is not None:
+            _compile_images(report, model, mesh, kv_caches, layer_to_cache,
+                            step, step_inputs, paddings, attn_reqs,
+                            model_config, log)
+
+        if spec_config is not None:
+            # compute_logits takes every position a request may verify
+            # (tpu_runner's num_logits_paddings).
+            req_paddings_logits = runner_utils.get_token_paddings(
+                min_token_size=runner_utils.MIN_NUM_SEQS,
+                max_token_size=max_num_reqs * (
+                    spec_config.num_speculative_tokens + 1),
+                padding_gap=0)
+        else:
+            req_paddings_logits = req_paddings
         if logits:
             hidden = model_config.get_hidden_size()
-            for num_reqs in req_paddings:
+            for num_reqs in req_paddings_logits:
                 h = sds((num_reqs, hidden), jnp.bfloat16,
                         NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA,
                                               None)))
@@ -622,8 +746,370 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
             _compile_sampling(report, model_config, mesh, req_paddings,
                               tp, log)
 
+        if helpers:
+            _compile_helpers(report, vllm_config, mesh, paddings,
+                             req_paddings, req_paddings_logits
+                             if spec_config is not None else None, tp, log)
+
+        if spec_config is not None:
+            _compile_drafter(report, vllm_config, model, mesh, kv_caches,
+                             layer_to_cache, groups, group_names,
+                             draft_sources, text, p, all_paddings[-1],
+                             paddings, attn_reqs, max_num_reqs, max_blocks,
+                             plan_assistant_bytes, log)
+
     _judge(report, p)
     return report
+
+
+def _compile_helpers(report, vllm_config, mesh, token_paddings,
+                     req_paddings, logits_paddings, tp, log) -> None:
+    """The runner's small helper programs, as compilation_manager
+    precompiles them: `_substitute_placeholder_token` (async scheduling:
+    the previous step's sampled tokens put into the next step's ids),
+    `_select_from_array_fn` (the rows compute_logits takes; with
+    speculative decoding also the bonus and target logits), and the
+    logprob gathers (`compute_and_gather_logprobs` per request bucket,
+    `compute_and_gather_prompt_logprobs` per token bucket up to 1024).
+    `logits_paddings`: the runner's num_logits_paddings (speculative
+    decoding), else None."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+    from tpu_inference.layers.jax.sample.sampling import (
+        compute_and_gather_logprobs, compute_and_gather_prompt_logprobs,
+        logprobs_use_processed_logits)
+    from tpu_inference.runner import tpu_runner
+    from tpu_inference.utils import align_to
+
+    model_config = vllm_config.model_config
+    spec = vllm_config.speculative_config
+
+    def sharded(*spec_):
+        return NamedSharding(mesh, P(*spec_))
+
+    def sds(shape, dtype, sharding):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def add(name, shape, lower):
+        prog = Program(name, shape)
+        _compile(prog, lower, mesh, log)
+        report.programs.append(prog)
+
+    data = sharded(ShardingAxisName.ATTN_DATA)
+    whole = sharded(None)
+    if vllm_config.scheduler_config.async_scheduling:
+        substitute_fn = tpu_runner._substitute_placeholder_token
+        shapes = []  # (ids, their sharding, next tokens, their sharding)
+        sizes = sorted(set(token_paddings + req_paddings))
+        if spec is not None:
+            spec_next = max(req_paddings) * (spec.num_speculative_tokens + 1)
+            shapes += [(n, data, spec_next, data) for n in sizes]
+            shapes += [(n, whole, spec_next, data) for n in logits_paddings]
+        else:
+            for n in sizes:
+                shapes.append((n, data, n, data))
+                shapes += [(n, data, r, whole) for r in req_paddings]
+        seen = set()
+        for n, ids_sharding, m, next_sharding in shapes:
+            key = (n, m, ids_sharding.spec, next_sharding.spec)
+            if key in seen:
+                continue
+            seen.add(key)
+            indices = sds((n, ), jnp.int32, whole)
+            add("substitute_placeholder_token",
+                {"num_tokens": n, "next_tokens": m,
+                 "ids_split": ids_sharding is data,
+                 "next_split": next_sharding is data},
+                lambda: substitute_fn.lower(
+                    sds((n, ), jnp.int32, ids_sharding), indices, indices,
+                    sds((m, ), jnp.int32, next_sharding),
+                    sds((1, ), jnp.int32, whole)))
+
+    select = tpu_runner.TPUModelRunner._select_from_array_fn
+    pcp = vllm_config.sharding_config.prefill_cp_size
+    hidden = model_config.get_hidden_size()
+    vocab = align_to(model_config.get_vocab_size(), tp)
+    logits_sharding = sharded(ShardingAxisName.MLP_DATA,
+                              ShardingAxisName.MLP_TENSOR)
+    selections = [("hidden", token_paddings, logits_paddings or req_paddings,
+                   hidden, sharded(ShardingAxisName.ATTN_DATA, None), data,
+                   False)]
+    if spec is not None:
+        selections += [
+            ("bonus logits", logits_paddings, req_paddings, vocab,
+             logits_sharding, None, False),
+            ("target logits", logits_paddings, logits_paddings, vocab,
+             logits_sharding, None, True)]
+    for what, sources, indices, width, source_sharding, index_sharding, \
+            equal in selections:
+        for rows in sources:
+            for count in indices:
+                if (count != rows) if equal else (count > rows):
+                    continue  # as _should_skip_padding_combination
+                add("select_from_array", {"of": what, "rows": rows,
+                                          "indices": count},
+                    lambda: select.lower(
+                        jax.ShapeDtypeStruct((rows, width), jnp.bfloat16,
+                                             sharding=source_sharding),
+                        jax.ShapeDtypeStruct((count, ), jnp.int32,
+                                             sharding=index_sharding),
+                        mesh, pcp))
+
+    max_logprobs = model_config.max_logprobs
+    processed = logprobs_use_processed_logits(model_config.logprobs_mode)
+    row_sharding = sharded(ShardingAxisName.ATTN_DATA, None) if processed \
+        else logits_sharding
+    for num_reqs in req_paddings:
+        add("gather_logprobs", {"num_reqs": num_reqs},
+            lambda: compute_and_gather_logprobs.lower(
+                sds((num_reqs, vocab), jnp.float32, row_sharding),
+                sds((num_reqs, ), jnp.int32, sharded()), max_logprobs))
+    if spec is not None:
+        for num_logits in logits_paddings:
+            for num_reqs in req_paddings:
+                if num_reqs > num_logits:
+                    continue
+                n = num_logits + num_reqs
+                add("gather_logprobs", {"num_logits": num_logits,
+                                        "num_reqs": num_reqs},
+                    lambda: compute_and_gather_logprobs.lower(
+                        sds((n, vocab), jnp.float32, sharded()),
+                        sds((n, ), jnp.int32, data), max_logprobs))
+    for num_tokens in token_paddings:
+        if num_tokens > 1024:  # as the runner: longer prompts at run time
+            continue
+        add("gather_prompt_logprobs", {"num_tokens": num_tokens},
+            lambda: compute_and_gather_prompt_logprobs.lower(
+                sds((num_tokens, vocab), jnp.float32, logits_sharding),
+                sds((num_tokens, ), jnp.int32, sharded()), max_logprobs))
+
+
+def _compile_images(report, model, mesh, kv_caches, layer_to_cache, step,
+                    step_inputs, paddings, attn_reqs, model_config,
+                    log) -> None:
+    """A multimodal model's image programs, as the runner runs them: the
+    vision encoder (`get_single_image_embedding`, one micro-batch of the
+    vision data-parallel size, at the patches Gemma 4's image processor
+    pads an image to: default_output_length x pooling_kernel_size^2), the
+    embedding merge with and without image embeddings
+    (`_precompile_input_embeddings_merger`), and the step with input
+    embeddings per token bucket (`_precompile_backbone_with_inputs_embeds`,
+    whose loop leaves the largest request bucket; token ids passed too, as
+    gemma_qat's fixes/image_steps.py has the runner pass them)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+    from tpu_inference.models.jax.utils.multi_modal_utils import \
+        flatten_pad_mm_embeds
+    from tpu_inference.utils import get_mesh_shape_product, to_jax_dtype
+
+    from vllm_gemma_qat import substitute
+    data = NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA))
+    rows2d = NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA, None))
+    dtype = to_jax_dtype(model_config.dtype)
+    hidden = model_config.get_hidden_size()
+
+    def sds(shape, dt, sharding):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+
+    vision = model_config.hf_config.vision_config
+    patches = vision.default_output_length * vision.pooling_kernel_size ** 2
+    images = get_mesh_shape_product(mesh, ShardingAxisName.VIT_BATCH)
+    pixels = NamedSharding(mesh, P(ShardingAxisName.VIT_BATCH, None, None))
+    prog = Program("vision_encoder", {"images": images, "patches": patches})
+    # (a jit of the method: the module, its parameters abstract, is its
+    # first argument, as when the runner calls it on the merged model)
+    _compile(prog, lambda: type(model.model).get_single_image_embedding.lower(
+        model.model, sds((images, patches, 3 * vision.patch_size ** 2), dtype, pixels),
+        sds((images, patches, 2), jnp.int32, pixels)), mesh, log)
+    report.programs.append(prog)
+
+    embed = model.multimodal_fns.embed_input_ids_fn
+    cells = dict(zip(embed.__code__.co_freevars,
+                     (c.cell_contents for c in embed.__closure__ or ())))
+    if "jitted_embed_input_ids" not in cells or \
+            "flatten_pad_mm_embeds" not in embed.__code__.co_names:
+        raise substitute.MissingTarget(
+            "tpu_inference.models.common.model_loader:get_flax_model's "
+            "run_embed_input_ids no longer pads through flatten_pad_mm_embeds "
+            "into jitted_embed_input_ids")
+    merge = cells["jitted_embed_input_ids"]
+    for num_tokens in paddings:
+        ids = sds((num_tokens, ), jnp.int32, data)
+        # flatten_pad_mm_embeds of the runner's one (num_tokens, hidden)
+        mm = jax.eval_shape(lambda x: flatten_pad_mm_embeds(
+            [x], target_pad_len=num_tokens),
+            sds((num_tokens, hidden), dtype, rows2d))
+        mm = sds(mm.shape, mm.dtype, rows2d)
+        for name, args in (("input_embeddings_merger",
+                            (mm, sds((num_tokens, ), jnp.bool_, data))),
+                           ("input_embeddings_merger_text_only",
+                            (None, None))):
+            prog = Program(name, {"num_tokens": num_tokens})
+            _compile(prog, lambda: merge.lower(
+                model.state_leaves, ids, args[0], is_multimodal=args[1]),
+                mesh, log)
+            report.programs.append(prog)
+
+    for num_tokens in paddings:
+        num_reqs = attn_reqs[-1]
+        ids, positions, md = step_inputs(num_tokens, num_reqs)
+        embeds = sds((num_tokens, hidden), dtype, rows2d)
+        prog = Program("step_with_embeds", {"num_tokens": num_tokens,
+                                            "num_reqs": num_reqs})
+        _compile(prog, lambda: step.lower(
+            model.state_leaves, kv_caches, ids, md, embeds, positions,
+            layer_to_cache, None, None, True, True), mesh, log)
+        if prog.ok:
+            prog.est_seconds = prog.optimal_seconds + prog.concat_bitcasts
+        report.programs.append(prog)
+
+
+def _compile_drafter(report, vllm_config, model, mesh, kv_caches,
+                     layer_to_cache, groups, group_names, draft_sources,
+                     text, p, max_num_tokens, paddings, attn_reqs,
+                     max_num_reqs, max_blocks, plan_assistant_bytes,
+                     log) -> None:
+    """The Gemma 4 assistant, as tpu-inference's `Eagle3Proposer` loads it
+    (`load_model`: `get_model(is_draft_model=True)`, the target's embedding
+    shared), and its two programs per (token bucket, request bucket), as
+    `_precompile_mtp_helpers` compiles them: `_propose` (the k draft steps)
+    and `_prepare_inputs`. The runner is not built here: the proposer gets
+    the runner attributes it reads (the mesh, the largest token bucket, the
+    target's state, the layer -> cache index)."""
+    import types
+    from dataclasses import replace
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tpu_inference.layers.common.attention_metadata import \
+        AttentionMetadata
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+    from tpu_inference.spec_decode.jax.eagle3 import Eagle3Proposer
+    from tpu_inference.utils import to_jax_dtype
+
+    from vllm_gemma_qat.fixes import sliding_window
+    spec_config = vllm_config.speculative_config
+    k = spec_config.num_speculative_tokens
+    report.assistant = str(spec_config.draft_model_config.model)
+    report.num_speculative_tokens = k
+    runner = types.SimpleNamespace(
+        mesh=mesh, max_num_tokens=max_num_tokens, state=model.state,
+        layer_name_to_kvcache_index=dict(layer_to_cache))
+    try:
+        proposer = Eagle3Proposer(vllm_config, runner)
+        proposer.load_model(model.state)
+    except AotError:
+        raise
+    except Exception as e:
+        raise AotError(f"tpu-inference did not build the assistant for "
+                       f"these flags: {type(e).__name__}: {e}") from e
+    # Its parameters that are not the target's (the embedding is shared).
+    target_leaves = {id(x) for x in model.state_leaves}
+    own = [x for x in proposer.state_leaves if id(x) not in target_leaves]
+    report.assistant_weight_bytes = sum(_nbytes_per_chip(x) for x in own)
+    report.plan_assistant_weight_bytes = plan_assistant_bytes
+    report.weight_bytes += report.assistant_weight_bytes
+
+    # Under gemma_qat's sliding-window KV (several cache groups), the draft
+    # layers read their sources' groups: the plugin's own bookkeeping
+    # (fixes/sliding_window.py `_read_for_the_drafter`, as its
+    # initialize_kv_cache runs it), and the proposer's block tables, one
+    # per group read, interleaved per request (its `propose` wrapper).
+    rows = sliding_window.row_layout(text) if p.kv_sliding_window else None
+    reads_were = dict(sliding_window._draft_reads)
+    tables = 1
+    try:
+        sliding_window._draft_reads.clear()
+        if rows is not None and len(groups) > 1:
+            places, source = {}, {}
+            for draft, target_layer in draft_sources.items():
+                place = rows.place.get(int(target_layer.split(".")[1]))
+                places[draft] = None if place is None else \
+                    sliding_window.RowPlace(*place, rows.slots_per_row)
+                source[draft] = target_layer if place is None \
+                    else f"layer.{place[0]}"
+            manager = types.SimpleNamespace(gemma_qat_draft_places=places)
+            sliding_window._read_for_the_drafter(manager, [
+                types.SimpleNamespace(layer_names=list(names) + [
+                    d for d, s in source.items() if s in names])
+                for names in group_names])
+            tables = len(manager.gemma_qat_draft_groups)
+        _compile_draft_programs(
+            report, proposer, Eagle3Proposer, mesh, kv_caches,
+            layer_to_cache, paddings, attn_reqs, max_num_reqs, max_blocks,
+            tables, k, vllm_config, AttentionMetadata, ShardingAxisName,
+            NamedSharding, P, jax, jnp, to_jax_dtype, replace, log)
+    finally:  # the plugin's state as it was
+        sliding_window._draft_reads.clear()
+        sliding_window._draft_reads.update(reads_were)
+
+
+def _compile_draft_programs(report, proposer, Eagle3Proposer, mesh,
+                            kv_caches, layer_to_cache, paddings, attn_reqs,
+                            max_num_reqs, max_blocks, tables, k, vllm_config,
+                            AttentionMetadata, ShardingAxisName,
+                            NamedSharding, P, jax, jnp, to_jax_dtype,
+                            replace, log) -> None:
+    data = NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA))
+    rows2d = NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA, None))
+
+    def sds(shape, dtype, sharding=data):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    model_config = vllm_config.model_config
+    draft_hidden = vllm_config.speculative_config.draft_model_config \
+        .get_hidden_size()
+    target_hidden = model_config.get_hidden_size()
+    dtype = to_jax_dtype(model_config.dtype)
+    per_req = sds((max_num_reqs, ), jnp.int32)
+    for num_tokens in paddings:
+        for num_reqs in attn_reqs:
+            ids = sds((num_tokens, ), jnp.int32)
+            md = AttentionMetadata(
+                input_positions=sds((num_tokens, ), jnp.int32),
+                block_tables=sds((max_num_reqs * max_blocks, ), jnp.int32),
+                seq_lens=per_req,
+                query_start_loc=sds((max_num_reqs + 1, ), jnp.int32),
+                request_distribution=sds((3, ), jnp.int32),
+                mamba_state_indices=None, padded_num_reqs=num_reqs)
+            # propose: the block tables of every group the drafter reads.
+            md_draft = replace(md, block_tables=sds(
+                (max_num_reqs * tables * max_blocks, ), jnp.int32))
+            prog = Program("drafter_propose", {"num_tokens": num_tokens,
+                                               "num_reqs": num_reqs,
+                                               "k": k})
+            _compile(prog, lambda: Eagle3Proposer._propose.lower(
+                proposer, state_leaves=proposer.state_leaves,
+                kv_caches=kv_caches, input_ids=ids, attn_metadata=md_draft,
+                last_token_indices=per_req,
+                target_hidden_states=sds((num_tokens, draft_hidden), dtype,
+                                         rows2d),
+                num_speculative_tokens=k,
+                layer_name_to_kvcache_index=layer_to_cache), mesh, log)
+            if prog.ok:
+                prog.est_seconds = prog.optimal_seconds + \
+                    prog.concat_bitcasts
+            report.programs.append(prog)
+            prog = Program("drafter_prepare_inputs",
+                           {"num_tokens": num_tokens, "num_reqs": num_reqs})
+            _compile(prog, lambda: Eagle3Proposer._prepare_inputs.lower(
+                proposer, state_leaves=proposer.state_leaves,
+                num_reqs=sds((1, ), jnp.int32), block_tables=md.block_tables,
+                attn_metadata=md, input_ids=ids,
+                aux_hidden_states=(sds((num_tokens, target_hidden),
+                                       jnp.bfloat16, rows2d), ),
+                last_sampled_token_id=per_req, next_prompt_token_id=per_req,
+                is_in_prefill=per_req, num_rejected_tokens=per_req), mesh,
+                log)
+            if prog.ok:
+                prog.est_seconds = prog.optimal_seconds + \
+                    prog.concat_bitcasts
+            report.programs.append(prog)
 
 
 def _compile_sampling(report, model_config, mesh, req_paddings, tp,
@@ -703,8 +1189,9 @@ def _compile(prog: Program, lower, mesh, log) -> None:
     prog.flops = float(cost.get("flops", 0.0))
     prog.bytes_accessed = float(cost.get("bytes accessed", 0.0))
     prog.optimal_seconds = float(cost.get("optimal_seconds", 0.0))
-    prog.concat_bitcasts = compiled.as_text().count(
-        'custom_call_target="ConcatBitcast"')
+    text = compiled.as_text()
+    prog.concat_bitcasts = text.count('custom_call_target="ConcatBitcast"')
+    prog.mosaic_calls = text.count('custom_call_target="tpu_custom_call"')
     log(f"compiled {prog.label} in {prog.compile_s:.1f} s")
 
 
@@ -727,6 +1214,13 @@ def _judge(report: Report, p) -> None:
             f"language-model weights per chip: the compiled step's "
             f"arguments {report.step_weight_bytes} B, the parameters as "
             f"laid out in HBM {report.lm_laid_out_bytes} B")
+    helper, plan_helper = (report.assistant_weight_bytes,
+                           report.plan_assistant_weight_bytes)
+    if report.assistant and plan_helper is not None and (
+            helper > plan_helper or report.tp == 1 and helper != plan_helper):
+        report.disagreements.append(
+            f"assistant weights per chip: the built drafter's {helper} B "
+            f"(its embedding is the target's), plan {plan_helper} B")
     if report.kv_bytes != report.plan_kv_bytes and not report.why_not:
         report.disagreements.append(
             f"KV cache per chip: compiled {report.kv_bytes} B, plan "
@@ -750,4 +1244,7 @@ def _judge(report: Report, p) -> None:
         "which plan's byte counts (and the parameters' logical bytes) do not",
         "plan counts a vision tower whole on every chip (an upper bound); "
         "tpu-inference splits its attention and MLP under TP",
-    ]
+    ] + ([
+        "plan counts the assistant whole on every chip (an upper bound "
+        "under TP); the drafter's programs use the target's KV cache and "
+        "embedding (no KV of its own)"] if report.assistant else [])
