@@ -299,6 +299,8 @@ def test_flags_vllm_refuses_are_one_clear_error(checkpoints, capfd):
     # As `vllm serve` would refuse them (the tiny model has 4096 positions);
     # without --max-model-len compile takes vLLM's default, the model's.
     import os
+
+    import vllm.config  # noqa: F401 (importing vLLM sets variables itself)
     environ = dict(os.environ)
     rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
                    "v6e-1", "--max-model-len", "9000"])
