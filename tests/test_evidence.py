@@ -8,7 +8,8 @@ its own, and must fail, at the assertion (or start-up error) that
 describes the bug. A check that passed with the bug back would guard
 nothing.
 
-Opt-in (each case starts its own server; 10 min in all on this 2-core VM):
+Opt-in (each case starts its own server; 29 min in all on this 2-core VM
+shared with other jobs):
 
     VLLM_GEMMA_QAT_EVIDENCE=1 ./run tests tests/test_evidence.py
 
