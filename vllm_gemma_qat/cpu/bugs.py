@@ -13,6 +13,11 @@ fail on the bug it guards; `tests/test_evidence.py`).
 - `int4_highest_nibble_first`: compressed-tensors int4 words unpacked in
   the wrong nibble order (each word's eight columns reversed): the classic
   packing bug, for the int4 serving checks.
+- `kv_heads_replicated_in_tile_order`: with fewer KV heads than TP,
+  tpu-inference replicates each KV head to the shards of its query heads
+  (`jnp.repeat`); tiled instead, some shards attend with another group's
+  KV head: for the tensor-parallel serving checks (E4B's 2 KV heads at
+  TP=4).
 """
 from __future__ import annotations
 
@@ -138,5 +143,30 @@ def _int4_highest_nibble_first() -> dict:
         "first)")]}
 
 
+class _TiledRepeat:
+    """jax.numpy as attention_interface sees it, but `repeat` tiles."""
+
+    def __getattr__(self, name):
+        import jax.numpy as jnp
+        return getattr(jnp, name)
+
+    @staticmethod
+    def repeat(x, repeats, axis=None, **kwargs):
+        import jax.numpy as jnp
+        reps = [1] * x.ndim
+        reps[axis] = repeats
+        return jnp.tile(x, reps)
+
+
+def _kv_heads_replicated_in_tile_order() -> dict:
+    from vllm_gemma_qat.substitute import Substitution
+    return {INTERFACE: [Substitution(
+        f"{INTERFACE}:jnp", _TiledRepeat(), "bug put back: KV heads fewer "
+        "than TP replicated as h0 h1 h0 h1 (tile), not h0 h0 h1 h1: shards "
+        "pair query heads with another group's KV head")]}
+
+
 BUGS = {"shared_layers_read_unrounded_kv": _shared_layers_read_unrounded_kv,
-        "int4_highest_nibble_first": _int4_highest_nibble_first}
+        "int4_highest_nibble_first": _int4_highest_nibble_first,
+        "kv_heads_replicated_in_tile_order":
+        _kv_heads_replicated_in_tile_order}
