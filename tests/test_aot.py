@@ -92,7 +92,10 @@ def test_every_startup_program_compiles(compiled):
         "ids_split=1, next_split=0)",
         "select_from_array(of=hidden, rows=16, indices=8)",
         "gather_logprobs(num_reqs=8)",
-        "gather_prompt_logprobs(num_tokens=16)"]
+        "gather_prompt_logprobs(num_tokens=16)",
+        # _precompile_structured_decoding: the grammar bitmask per request
+        # bucket
+        "structured_decode(num_reqs=8)"]
     # The vision tower's attention is a Pallas kernel (flash attention):
     # lowered through Mosaic for the TPU, as the step's RPA is.
     step = report.programs[0]
@@ -210,6 +213,28 @@ def test_the_assistants_drafter_programs_compile(checkpoints, tmp_path,
     assert ("substitute_placeholder_token", {
         "num_tokens": 32, "next_tokens": 24, "ids_split": False,
         "next_split": True}) in helpers
+    # speculative decoding's own programs (_precompile_speculative_decoding
+    # and, async scheduling being on, the rejected-token bookkeeping), at
+    # the runner's buckets: logits 8, 16, 32 x requests 8, tokens 16
+    logits = (8, 16, 32)
+    spec = [(name, {"num_logits": n, "num_reqs": 8}) for n in logits
+            for name in ("greedy_rejection_sampler",
+                         "random_rejection_sampler")] + [
+        ("extract_last_sampled_tokens", {"num_logits": n, "num_reqs": 8})
+        for n in logits] + [
+        ("extract_draft_token_ids", {"num_tokens": 16, "num_logits": n})
+        for n in (8, 16)] + [  # no more logits than tokens
+        (name, {"num_logits": n, "num_reqs": 8}) for name in (
+            "process_and_extend_logits", "extend_logits_simple")
+        for n in logits] + [
+        ("subtract_num_rejected_tokens", {"num_tokens": 16}),
+        ("concat_last_sampled_and_draft_tokens", {"num_reqs": 8, "k": 2}),
+        ("structured_decode", {"num_reqs": 8})] + [
+        ("select_from_array", {"of": f"spec {what} logits", "rows": n,
+                               "indices": count})
+        for n in logits for what, count in (("bonus", 8), ("target", n))]
+    assert sorted(map(repr, spec)) == sorted(
+        repr(h) for h in helpers if h in spec)
     assert report["num_speculative_tokens"] == 2
     assert not report["disagreements"] and report["fits"]
     plan = json.loads(_cli(["plan", str(target), "--context", "256",

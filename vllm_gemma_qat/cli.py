@@ -636,7 +636,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-helpers", action="store_true",
                    help="skip the runner's small helper programs "
                    "(placeholder substitution, array selection, logprob "
-                   "gathering)")
+                   "gathering, structured decoding; with --assistant also "
+                   "the rejection sampler and speculative decoding's token "
+                   "and logits bookkeeping)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compile)
     args = parser.parse_args(argv)

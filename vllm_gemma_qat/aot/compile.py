@@ -32,13 +32,23 @@ the vision encoder only for `additional_config`'s `vision_warmup_config`,
 else it compiles at the first image). The runner's small helpers (unless
 `--no-helpers`): `_substitute_placeholder_token` (async scheduling),
 `_select_from_array_fn` (with speculative decoding also the bonus and
-target logits) and the logprob gathers (`compute_and_gather_logprobs`,
-`compute_and_gather_prompt_logprobs` up to 1024 tokens), at the shapes
-compilation_manager gives them. Not compiled here: structured decoding,
-the disaggregated-serving helpers, continue_decode, speculative decoding's
-rejection sampler and token bookkeeping (`_precompile_rejection_sampler`,
-`_extract_*`, `_process_and_extend_logits`, `_subtract_num_rejected_tokens`,
-`_concat_last_sampled_tokens_and_draft_tokens`), and audio.
+target logits), the logprob gathers (`compute_and_gather_logprobs`,
+`compute_and_gather_prompt_logprobs` up to 1024 tokens) and structured
+decoding's grammar bitmask (`structured_decode_fn` per request bucket, as
+`_precompile_structured_decoding`); with `--assistant` also speculative
+decoding's programs of the target's runner, as
+`_precompile_speculative_decoding` compiles them: the rejection sampler
+(greedy and random, per logits bucket x request bucket),
+`extract_last_sampled_tokens`, `_extract_draft_token_ids`,
+`process_and_extend_logits`, `extend_logits_simple`, the spec-decode
+`_select_from_array_fn` (bonus and target logits split over the attention
+data axis), and with async scheduling `_subtract_num_rejected_tokens_fn`
+and `concat_last_sampled_tokens_and_draft_tokens`; all at the shapes
+compilation_manager gives them. Not compiled here (neither is on by
+default): continue_decode (`_precompile_continue_decode`, only with
+`additional_config`'s `enable_continue_decode`) and the disaggregated-
+serving KV slice / insert programs (`_precompile_disagg_utils`, only when
+tpu-inference's `is_disagg_enabled()`); nor audio.
 """
 from __future__ import annotations
 
@@ -46,6 +56,7 @@ import json
 import os
 import tempfile
 import time
+import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -751,6 +762,10 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
                              req_paddings, req_paddings_logits
                              if spec_config is not None else None, tp, log)
 
+        if helpers and spec_config is not None:
+            _compile_spec_helpers(report, vllm_config, mesh, paddings,
+                                  req_paddings, req_paddings_logits, tp, log)
+
         if spec_config is not None:
             _compile_drafter(report, vllm_config, model, mesh, kv_caches,
                              layer_to_cache, groups, group_names,
@@ -884,6 +899,212 @@ def _compile_helpers(report, vllm_config, mesh, token_paddings,
             lambda: compute_and_gather_prompt_logprobs.lower(
                 sds((num_tokens, vocab), jnp.float32, logits_sharding),
                 sds((num_tokens, ), jnp.int32, sharded()), max_logprobs))
+
+    # _precompile_structured_decoding: the grammar bitmask applied to the
+    # logits, per request bucket (not under data parallelism, as the
+    # runner). Its inputs are the runner's host arrays sliced to the bucket
+    # (tpu_runner._init_inputs: require_structured_out_cpu (max_num_reqs,
+    # 1) bool, grammar_bitmask_cpu (max_num_reqs, cdiv(vocab, 32)) int32,
+    # structured_decode_arange (32, ) int32), put on the mesh unsplit by
+    # device_array; the manager reads only the runner's vocab_size.
+    if vllm_config.sharding_config.total_dp_size == 1:
+        from tpu_inference.runner.structured_decoding_manager import \
+            StructuredDecodingManager
+        manager = StructuredDecodingManager(
+            types.SimpleNamespace(vocab_size=vocab))
+        words = -(-vocab // 32)
+        for num_reqs in req_paddings:
+            add("structured_decode", {"num_reqs": num_reqs},
+                lambda: StructuredDecodingManager.structured_decode_fn.lower(
+                    manager, sds((num_reqs, 1), jnp.bool_, whole),
+                    sds((num_reqs, words), jnp.int32, whole),
+                    sds((num_reqs, vocab), jnp.bfloat16, whole),
+                    sds((32, ), jnp.int32, whole)))
+
+
+def _compile_spec_helpers(report, vllm_config, mesh, token_paddings,
+                          req_paddings, logits_paddings, tp, log) -> None:
+    """Speculative decoding's programs of the target's runner, as
+    `_precompile_speculative_decoding` compiles them (its drafter's are
+    `_compile_drafter`'s): the rejection sampler, greedy and random, per
+    (logits bucket, request bucket) (the runner's `RejectionSampler` is no
+    jit: compilation_manager compiles it in its warm-up call, through the
+    jitted `RejectionSampler.forward` lowered here); then
+    `extract_last_sampled_tokens`, `_extract_draft_token_ids`,
+    `process_and_extend_logits`, `extend_logits_simple` and
+    `_select_from_array_spec_decode`'s bonus and target logits; with async
+    scheduling also `_subtract_num_rejected_tokens_fn` per token bucket and
+    `concat_last_sampled_tokens_and_draft_tokens` (capture_model runs those
+    two right after the placeholder substitution). Shapes and shardings as
+    compilation_manager gives them (its `device_array` without a sharding:
+    unsplit)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tpu_inference.layers.common.sharding import ShardingAxisName
+    from tpu_inference.layers.jax.sample.rejection_sampler import \
+        RejectionSampler
+    from tpu_inference.layers.jax.sample.sampling_metadata import \
+        TPUSupportedSamplingMetadata
+    from tpu_inference.runner import tpu_runner
+    from tpu_inference.runner.utils import SpecDecodeMetadata
+    from tpu_inference.spec_decode.jax.utils import (
+        concat_last_sampled_tokens_and_draft_tokens, extend_logits_simple,
+        extract_last_sampled_tokens, process_and_extend_logits)
+    from tpu_inference.utils import (align_to, get_mesh_shape_product,
+                                     to_jax_dtype)
+
+    model_config = vllm_config.model_config
+    k = vllm_config.speculative_config.num_speculative_tokens
+    vocab = align_to(model_config.get_vocab_size(), tp)
+    dtype = to_jax_dtype(model_config.dtype)
+    max_num_reqs = max(req_paddings)  # the runner's max_num_reqs
+    dp_size = vllm_config.sharding_config.total_dp_size
+
+    def sharded(*spec_):
+        return NamedSharding(mesh, P(*spec_))
+
+    def sds(shape, dt, sharding):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+
+    def add(name, shape, lower):
+        prog = Program(name, shape)
+        _compile(prog, lower, mesh, log)
+        report.programs.append(prog)
+
+    data = sharded(ShardingAxisName.ATTN_DATA)
+    whole = sharded(None)
+    empty = sharded()
+
+    if vllm_config.scheduler_config.async_scheduling:
+        positions_2d = model_config.uses_mrope
+        for num_tokens in token_paddings:
+            positions = sds((3, num_tokens), jnp.int32, sharded(
+                None, ShardingAxisName.ATTN_DATA)) if positions_2d else \
+                sds((num_tokens, ), jnp.int32, data)
+            add("subtract_num_rejected_tokens", {"num_tokens": num_tokens},
+                lambda: tpu_runner._subtract_num_rejected_tokens_fn.lower(
+                    sds((max_num_reqs, ), jnp.int32, data), positions,
+                    sds((max_num_reqs, ), jnp.int32, data),
+                    sds((max_num_reqs, ), jnp.int32, whole),
+                    sds((num_tokens, ), jnp.int32, whole)))
+        add("concat_last_sampled_and_draft_tokens",
+            {"num_reqs": max_num_reqs, "k": k},
+            lambda: concat_last_sampled_tokens_and_draft_tokens.lower(
+                sds((max_num_reqs, ), jnp.int32, data),
+                sds((max_num_reqs, k), jnp.int32, data)))
+
+    # _precompile_rejection_sampler
+    sampler = RejectionSampler(mesh)
+    key = jax.eval_shape(
+        lambda: nnx.Rngs(jax.random.key(model_config.seed)).params())
+    key = sds(key.shape, key.dtype, empty)
+    for num_logits in logits_paddings:
+        for num_reqs in req_paddings:
+            target = sds((num_logits, vocab), dtype, sharded(
+                ShardingAxisName.MLP_DATA, ShardingAxisName.MLP_TENSOR))
+            per_req = sds((num_reqs, ), jnp.int32, whole)
+            for do_sampling in (False, True):
+                dummy = sds((2, ), jnp.int32, whole)  # logprobs=False
+                if do_sampling:
+                    metadata = TPUSupportedSamplingMetadata(
+                        temperature=sds((num_reqs, ), jnp.float32, whole),
+                        top_k=per_req,
+                        top_p=sds((num_reqs, ), jnp.float32, whole),
+                        _cache_collision_dummy=dummy, do_sampling=True)
+                else:
+                    metadata = TPUSupportedSamplingMetadata(
+                        _cache_collision_dummy=dummy, do_sampling=False)
+                add("random_rejection_sampler" if do_sampling
+                    else "greedy_rejection_sampler",
+                    {"num_logits": num_logits, "num_reqs": num_reqs},
+                    lambda: RejectionSampler.forward.lower(
+                        sampler, draft_token_ids=sds((num_logits, ),
+                                                     jnp.int32, whole),
+                        num_draft_tokens=per_req, draft_probs=None,
+                        target_logits=target, bonus_token_ids=per_req,
+                        sampling_metadata=metadata, key=key))
+
+    def spec_metadata(num_logits, num_reqs, sharding):
+        return SpecDecodeMetadata(
+            draft_lengths=sds((num_reqs, ), jnp.int32, sharding),
+            target_logits_indices=sds((num_logits, ), jnp.int32, sharding),
+            bonus_logits_indices=sds((num_reqs, ), jnp.int32, sharding),
+            final_logits_indices=sds((num_logits, ), jnp.int32, sharding))
+
+    # _precompile_extract_last_sampled_tokens
+    for num_logits in logits_paddings:
+        for num_reqs in req_paddings:
+            add("extract_last_sampled_tokens",
+                {"num_logits": num_logits, "num_reqs": num_reqs},
+                lambda: extract_last_sampled_tokens.lower(
+                    spec_metadata(num_logits, num_reqs, data),
+                    sds((num_logits + num_reqs, ), jnp.int32, data),
+                    k, vocab, max_num_reqs // dp_size, mesh))
+
+    # _precompile_extract_draft_token_ids: a jit of the runner's method
+    # (the runner static: it reads its mesh only).
+    runner = type("Runner", (), {"mesh": mesh})()
+    for num_tokens in token_paddings:
+        for num_logits in logits_paddings:
+            if num_logits > num_tokens:  # _should_skip_padding_combination
+                continue
+            add("extract_draft_token_ids",
+                {"num_tokens": num_tokens, "num_logits": num_logits},
+                lambda: tpu_runner.TPUModelRunner._extract_draft_token_ids
+                .lower(runner, sds((num_tokens, ), jnp.int32, data),
+                       sds((num_logits, ), jnp.int32, data),
+                       sds((num_logits, ), jnp.int32, data)))
+
+    # _precompile_process_and_extend_logits
+    for num_logits in logits_paddings:
+        for num_reqs in req_paddings:
+            if num_reqs > num_logits:
+                continue
+            metadata = TPUSupportedSamplingMetadata(
+                temperature=sds((num_reqs, ), jnp.float32, empty),
+                top_k=sds((num_reqs, ), jnp.int32, empty),
+                top_p=sds((num_reqs, ), jnp.float32, empty),
+                _cache_collision_dummy=sds((1, ), jnp.int32, whole),
+                do_sampling=True, logprobs=True)
+            add("process_and_extend_logits",
+                {"num_logits": num_logits, "num_reqs": num_reqs},
+                lambda: process_and_extend_logits.lower(
+                    mesh, sds((num_logits, vocab), jnp.float32, empty),
+                    sds((num_reqs, vocab), jnp.float32, empty),
+                    spec_metadata(num_logits, num_reqs, empty), metadata))
+
+    # _precompile_extend_logits_simple
+    split = get_mesh_shape_product(mesh, ShardingAxisName.ATTN_DATA) > 1
+    logits_sharding = sharded(ShardingAxisName.ATTN_DATA, None) if split \
+        else empty
+    for num_logits in logits_paddings:
+        for num_reqs in req_paddings:
+            if num_reqs > num_logits:
+                continue
+            add("extend_logits_simple",
+                {"num_logits": num_logits, "num_reqs": num_reqs},
+                lambda: extend_logits_simple.lower(
+                    sds((num_logits, vocab), jnp.bfloat16, logits_sharding),
+                    sds((num_reqs, vocab), jnp.bfloat16, logits_sharding),
+                    mesh))
+
+    # _precompile_select_from_array_spec_decode: the logits split over the
+    # attention data axis, in the model's dtype, every (logits, requests)
+    # pair (the target logits' program does not depend on the requests:
+    # compiled once per logits bucket).
+    select = tpu_runner.TPUModelRunner._select_from_array_fn
+    pcp = vllm_config.sharding_config.prefill_cp_size
+    rows2d = sharded(ShardingAxisName.ATTN_DATA, None)
+    for num_logits in logits_paddings:
+        for what, count in [("spec bonus logits", r) for r in req_paddings] \
+                + [("spec target logits", num_logits)]:
+            add("select_from_array", {"of": what, "rows": num_logits,
+                                      "indices": count},
+                lambda: select.lower(sds((num_logits, vocab), dtype, rows2d),
+                                     sds((count, ), jnp.int32, data), mesh,
+                                     pcp))
 
 
 def _compile_images(report, model, mesh, kv_caches, layer_to_cache, step,
