@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    from vllm_gemma_qat.fixes.compile_once import PER_MODULE_ENV
     from vllm_gemma_qat.testing import tiny
 
     rows = []
@@ -57,8 +58,9 @@ def main() -> None:
         for clears in ("once per load", "per module"):
             base = dict(os.environ)
             base.pop("JAX_COMPILATION_CACHE_DIR", None)
+            base.pop(PER_MODULE_ENV, None)
             if clears == "per module":
-                base["VLLM_GEMMA_QAT_CLEAR_CACHES_PER_MODULE"] = "1"
+                base[PER_MODULE_ENV] = "1"
             cache = Path(tmp) / f"cache-{len(rows)}"
             cached = dict(base, JAX_COMPILATION_CACHE_DIR=str(cache),
                           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

@@ -233,8 +233,13 @@ def test_the_assistants_drafter_programs_compile(checkpoints, tmp_path,
         ("select_from_array", {"of": f"spec {what} logits", "rows": n,
                                "indices": count})
         for n in logits for what, count in (("bonus", 8), ("target", n))]
+    # every program of those names, at exactly these shapes (spec
+    # selections only among select_from_array's)
+    names = {name for name, _ in spec}
     assert sorted(map(repr, spec)) == sorted(
-        repr(h) for h in helpers if h in spec)
+        repr(h) for h in helpers
+        if h[0] in names - {"select_from_array"}
+        or h[0] == "select_from_array" and h[1]["of"].startswith("spec "))
     assert report["num_speculative_tokens"] == 2
     assert not report["disagreements"] and report["fits"]
     plan = json.loads(_cli(["plan", str(target), "--context", "256",
@@ -243,6 +248,16 @@ def test_the_assistants_drafter_programs_compile(checkpoints, tmp_path,
     assert report["assistant_weight_bytes"] == plan["assistant_bytes"] == \
         report["plan_assistant_weight_bytes"] > 0
     assert report["weight_bytes"] == plan["weight_bytes_per_chip"]
+
+
+def test_an_assistant_without_its_token_count_is_one_clear_error(
+        checkpoints, capfd):
+    rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
+                   "v6e-1", "--assistant", str(checkpoints["e2b", "bf16"])])
+    last = capfd.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2
+    assert last == ("error: --assistant needs --num-speculative-tokens "
+                    "(vLLM derives none from a Gemma 4 assistant's config)")
 
 
 def test_unknown_topology_is_one_clear_error(checkpoints, capfd):

@@ -165,7 +165,10 @@ def test_check_fails_on_the_bug_it_guards(case, tmp_path):
     if os.environ.get(EVIDENCE_ENV) != "1":
         pytest.skip(f"evidence runs start a server each: {EVIDENCE_ENV}=1")
     report, basetemp = tmp_path / "report.xml", tmp_path / "run"
-    env = dict(os.environ, **case.env)
+    env = dict(os.environ)
+    for name in (fixes.WITHOUT_ENV, bugs.BUG_ENV):  # this case's only
+        env.pop(name, None)
+    env.update(case.env)
     env.pop("PYTEST_XDIST_WORKER", None)
     # Its own session: a timeout takes its servers down with it.
     run = subprocess.Popen(

@@ -622,9 +622,8 @@ def main(argv=None) -> int:
                    "(a directory; config.json alone is enough)")
     p.add_argument("--num-speculative-tokens", type=_positive(int),
                    default=None, help="--speculative-config's "
-                   "num_speculative_tokens (default, as vLLM's: the "
-                   "assistant config's n_predict; vLLM 0.32 derives none "
-                   "for a Gemma 4 assistant and fails: give it)")
+                   "num_speculative_tokens; required with --assistant "
+                   "(vLLM 0.32 derives none from a Gemma 4 assistant)")
     p.add_argument("--no-logits", action="store_true",
                    help="skip compute_logits")
     p.add_argument("--no-sampling", action="store_true",

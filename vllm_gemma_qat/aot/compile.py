@@ -171,7 +171,7 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
     """Build and compile; `token_buckets`: compile only these of the
     runner's token buckets (None: all of them); `assistant`: a Gemma 4
     assistant directory served with it (`--speculative-config '{"model":
-    assistant, "num_speculative_tokens": k}'`; k None: vLLM's default);
+    assistant, "num_speculative_tokens": k}'`; k required with it);
     `images`: a multimodal model's image programs too (as the runner
     compiles them for a multimodal model); `helpers`: the runner's small
     helper programs too."""
@@ -183,6 +183,12 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
     if kv_dtype not in KV_DTYPES:
         raise AotError(f"--kv-dtype {kv_dtype!r}: one of "
                        f"{', '.join(KV_DTYPES)}")
+    if assistant and not num_speculative_tokens:
+        # vLLM 0.32 derives num_speculative_tokens from the draft config's
+        # n_predict, which a Gemma 4 assistant lacks (its SpeculativeConfig
+        # then fails comparing None > 1).
+        raise AotError("--assistant needs --num-speculative-tokens (vLLM "
+                       "derives none from a Gemma 4 assistant's config)")
     log = log or (lambda msg: None)
     environ = dict(os.environ)
     try:
@@ -304,16 +310,9 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                 vllm_config = _vllm_config(
                     model_dir, tp, weights, kv_dtype, dtype, max_model_len,
                     max_num_seqs, max_num_batched_tokens, utilization, spec)
-            except (ValueError, TypeError) as e:  # pydantic's too
-                # vLLM 0.32 derives num_speculative_tokens from the draft
-                # config's n_predict, which a Gemma 4 assistant lacks: its
-                # SpeculativeConfig then fails comparing None > 1.
-                hint = "; give --num-speculative-tokens (vLLM derives " \
-                    "none from this assistant's config)" \
-                    if spec and "num_speculative_tokens" not in spec else ""
+            except ValueError as e:  # pydantic's ValidationError too
                 raise AotError(f"vLLM refuses these flags for {target}: "
-                               f"{type(e).__name__}: {_first_error(e)}"
-                               f"{hint}") from None
+                               f"{_first_error(e)}") from None
             # None: vLLM's default, the model's max_position_embeddings.
             max_model_len = vllm_config.model_config.max_model_len
             # `plan --tp` for the same flags, weights in the dtype vLLM

@@ -9,7 +9,8 @@ fail on the bug it guards; `tests/test_evidence.py`).
   its cache stored them (an fp8 cache rounds them): what a shared-layer path
   that bypassed the cache would read. Earlier steps' tokens come from the
   cache either way. Only an fp8 cache makes a difference (a bf16 or fp32
-  cache stores K/V as computed).
+  cache stores K/V as computed). The target model at TP=1 only (a drafter
+  or TP > 1 is refused).
 - `int4_highest_nibble_first`: compressed-tensors int4 words unpacked in
   the wrong nibble order (each word's eight columns reversed): the classic
   packing bug, for the int4 serving checks.
@@ -80,6 +81,9 @@ def _shared_layers_read_unrounded_kv() -> dict:
         def attend(kv_cache, q, k, v, *args, update_kv_cache=True,
                    attention_chunk_size=None, **kwargs):
             import jax.numpy as jnp
+            from tpu_inference.layers.common.sharding import \
+                ShardingAxisName
+            from tpu_inference.utils import get_mesh_shape_product
             unrounded = tuple(computed)
             computed.clear()
             if update_kv_cache:
@@ -89,7 +93,15 @@ def _shared_layers_read_unrounded_kv() -> dict:
                                  **kwargs)
             # The source's cache with this step's K/V as computed: a copy
             # in the activations' dtype, written and then dropped.
-            fresh = by_window[attention_chunk_size]
+            fresh = by_window.get(attention_chunk_size)
+            if fresh is None or getattr(fresh[0], "_trace", None) \
+                    is not getattr(q, "_trace", None):
+                raise NotImplementedError(
+                    f"{BUG_ENV}: the target's KV-shared layers only (this "
+                    "call's source layer ran in another trace: a drafter's)")
+            if get_mesh_shape_product(args[1], ShardingAxisName.ATTN_HEAD) > 1:
+                raise NotImplementedError(f"{BUG_ENV}: TP=1 only (the copy "
+                                          "does not repeat KV heads)")
             place = sliding_window._place.get()
             if k.shape[-1] != fresh[0].shape[-1]:  # in its slot of a row
                 dim = fresh[0].shape[-1]
