@@ -126,9 +126,11 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
                   utilization: float = 0.92, logits: bool = True,
                   sampling: bool = True,
                   token_buckets: list[int] | None = None,
-                  log=None) -> Report:
+                  log=None, load_format: str = "gemma_qat") -> Report:
     """Build and compile; `token_buckets`: compile only these of the
-    runner's token buckets (None: all of them)."""
+    runner's token buckets (None: all of them); `load_format` "auto":
+    stock tpu-inference (no gemma_qat fix; every layer's KV at full
+    context, as 0.32 allocates it)."""
     topo = topology(topology_name)
     tp = tp or topo.chips
     if tp > topo.chips:
@@ -144,7 +146,8 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
         return _compile_with_plugin(target, topo, tp, weights, kv_dtype,
                                     dtype, max_model_len, max_num_seqs,
                                     max_num_batched_tokens, utilization,
-                                    logits, sampling, token_buckets, log)
+                                    logits, sampling, token_buckets, log,
+                                    load_format)
     finally:  # the caller's environment back (a server started next)
         os.environ.clear()
         os.environ.update(environ)
@@ -152,7 +155,8 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
 
 def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                          max_model_len, max_num_seqs, max_num_batched_tokens,
-                         utilization, logits, sampling, token_buckets, log):
+                         utilization, logits, sampling, token_buckets, log,
+                         load_format):
     started = time.perf_counter()
 
     from vllm_gemma_qat import cli, plan as planlib
@@ -174,7 +178,7 @@ def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                               max_num_batched_tokens, utilization, logits,
                               sampling, token_buckets, log, table, started,
                               geo,
-                              plan_weights, config, planlib)
+                              plan_weights, config, planlib, load_format)
     finally:  # (the knob, not a substitution: JAX's public config)
         jax.config.update("jax_enable_compilation_cache", cache_was)
 
@@ -183,7 +187,7 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                    max_num_seqs, max_num_batched_tokens, utilization, logits,
                    sampling, token_buckets, log, table, started, geo,
                    plan_weights,
-                   config, planlib) -> Report:
+                   config, planlib, load_format="gemma_qat") -> Report:
     from jax.experimental import topologies
 
     from vllm_gemma_qat import substitute
@@ -214,13 +218,20 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                 quantization.w4a16_quantization_config()}
             if weights == "int4" and not config.get("quantization_config")
             else None)
+    if load_format != "gemma_qat":  # stock builds the KV-shared layers' K/V
+        from dataclasses import replace
+        from vllm_gemma_qat.checkpoint import numel
+        plan_weights = replace(plan_weights, tensors={
+            n: (2 * numel(shape), numel(shape))
+            for n, shape in geo.skippable("").items()} | plan_weights.tensors)
     with tempfile.TemporaryDirectory(prefix="gemma-qat-aot-") as tmp:
         model_dir = _config_dir(Path(tmp), config, weights)
         with substitute.applied(table, "vllm-gemma-qat AOT mode"):
             try:
                 vllm_config = _vllm_config(
                     model_dir, tp, weights, kv_dtype, dtype, max_model_len,
-                    max_num_seqs, max_num_batched_tokens, utilization)
+                    max_num_seqs, max_num_batched_tokens, utilization,
+                    load_format)
             except ValueError as e:  # pydantic's ValidationError too
                 raise AotError(f"vLLM refuses these flags for {target}: "
                                f"{_first_error(e)}") from None
@@ -238,13 +249,15 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                 max_num_batched_tokens,
                 block_size=vllm_config.cache_config.block_size,
                 async_scheduling=bool(
-                    vllm_config.scheduler_config.async_scheduling))
+                    vllm_config.scheduler_config.async_scheduling),
+                sliding_window=load_format == "gemma_qat")
             p_lm = planlib.make_plan(
                 geo, planlib.Weights(plan_weights.tensors),
                 agents=max_num_seqs, context=max_model_len,
                 kv_dtype=kv_dtype, hbm_gib=topo.hbm_gib,
                 utilization=utilization, form=weights, tp=tp,
-                dtype_bytes=served.itemsize)
+                dtype_bytes=served.itemsize,
+                sliding_window=load_format == "gemma_qat")
             report = _build_and_compile(vllm_config, desc, topo, tp, p, p_lm,
                                         geo,
                                         target, weights, kv_dtype,
@@ -297,10 +310,10 @@ def _first_error(e: Exception) -> str:
 
 
 def _vllm_config(model_dir, tp, weights, kv_dtype, dtype, max_model_len,
-                 max_num_seqs, max_num_batched_tokens, utilization):
+                 max_num_seqs, max_num_batched_tokens, utilization,
+                 load_format="gemma_qat"):
     from vllm.engine.arg_utils import EngineArgs
-    from vllm_gemma_qat.gate import LOAD_FORMAT
-    args = EngineArgs(model=str(model_dir), load_format=LOAD_FORMAT,
+    args = EngineArgs(model=str(model_dir), load_format=load_format,
                       skip_tokenizer_init=True, tensor_parallel_size=tp,
                       dtype=dtype, max_model_len=max_model_len,
                       max_num_seqs=max_num_seqs,
