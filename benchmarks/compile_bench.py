@@ -134,6 +134,10 @@ def xla_seconds(prog: dict) -> float | None:
 
 def markdown(results: dict) -> str:
     rows = results["rows"]
+    # Rows the runner pads to the same step share one column (one program).
+    columns: dict[int, list[str]] = {}
+    for label, bucket in rows.items():
+        columns.setdefault(bucket, []).append(label)
     lines = [
         "# Compiled for a TPU without one: gemma_qat int4 / bf16 vs stock",
         "",
@@ -158,21 +162,22 @@ def markdown(results: dict) -> str:
         "",
         "| model | topology | variant | compile s | weights GB | KV GB | "
         "largest temp MiB | code MiB | fits | "
-        + " | ".join(f"{r} est. ms (XLA part)" for r in rows) + " |",
-        "| --- " * (9 + len(rows)) + "|",
+        + " | ".join(f"{' / '.join(labels)} (T={bucket}) est. ms (XLA part)"
+                     for bucket, labels in columns.items()) + " |",
+        "| --- " * (9 + len(columns)) + "|",
     ]
     for c in results["configs"]:
         head = f"| {c['model']} | {c['topology']} (TP={c['tp']}) | " \
             f"{c['variant']} |"
         if c.get("error") or c.get("skipped"):
             why = c.get("error") or c.get("skipped")
-            lines.append(head + f" {why} |" + " |" * (5 + len(rows)))
+            lines.append(head + f" {why} |" + " |" * (5 + len(columns)))
             continue
         r = c["report"]
         progs = {p["shape"]["num_tokens"]: p for p in r["programs"]
                  if p["name"] == "step"}
         cells = []
-        for bucket in rows.values():
+        for bucket in columns:
             p = progs.get(bucket)
             if p is None or not p["ok"]:
                 cells.append("FAILED" if p else "not compiled")
