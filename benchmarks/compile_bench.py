@@ -158,20 +158,22 @@ def markdown(results: dict) -> str:
         "bytes the step's attention reads at nominal HBM bandwidth (worst "
         "case of the bucket: every one of its requests at --max-model-len, "
         "capped by the cache); in brackets the XLA part alone (weights and "
-        "compute, no KV term).",
+        "compute, no KV term). KV tokens: what vLLM logs as 'TPU KV cache "
+        "size' for these flags (plan's figure; the compiled cache's bytes "
+        "equal plan's unless listed below).",
         "",
         "| model | topology | variant | compile s | weights GB | KV GB | "
-        "largest temp MiB | code MiB | fits | "
+        "KV tokens | largest temp MiB | code MiB | fits | "
         + " | ".join(f"{' / '.join(labels)} (T={bucket}) est. ms (XLA part)"
                      for bucket, labels in columns.items()) + " |",
-        "| --- " * (9 + len(columns)) + "|",
+        "| --- " * (10 + len(columns)) + "|",
     ]
     for c in results["configs"]:
         head = f"| {c['model']} | {c['topology']} (TP={c['tp']}) | " \
             f"{c['variant']} |"
         if c.get("error") or c.get("skipped"):
             why = c.get("error") or c.get("skipped")
-            lines.append(head + f" {why} |" + " |" * (5 + len(columns)))
+            lines.append(head + f" {why} |" + " |" * (6 + len(columns)))
             continue
         r = c["report"]
         progs = {p["shape"]["num_tokens"]: p for p in r["programs"]
@@ -186,7 +188,8 @@ def markdown(results: dict) -> str:
                              f"({_ms(xla_seconds(p))})")
         lines.append(
             head + f" {r['wall_s']:.0f} | {_gb(r['weight_bytes'])} | "
-            f"{_gb(r['kv_bytes'])} | {_mib(r['max_temp_bytes'])} | "
+            f"{_gb(r['kv_bytes'])} | {r['plan_kv_cache_tokens']:,} | "
+            f"{_mib(r['max_temp_bytes'])} | "
             f"{_mib(r['max_code_bytes'])} | "
             f"{'yes' if r['fits'] else 'NO'} | " + " | ".join(cells) + " |")
     lines += ["", "Per program:", "",
