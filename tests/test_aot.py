@@ -353,3 +353,29 @@ def test_flags_vllm_refuses_are_one_clear_error(checkpoints, capfd):
     assert last.startswith("error: vLLM refuses these flags for ") and \
         "max_model_len (9000) is greater than the derived max_model_len" \
         in last, last
+
+
+def test_stock_load_format_builds_kv_on_shared_layers(tmp_path):
+    # load_format="auto": stock tpu-inference (no gemma_qat fix), the
+    # comparison benchmarks/compile_bench.py draws. Config only (no weights).
+    from transformers import Gemma4Config
+
+    from vllm_gemma_qat.aot.compile import compile_model
+    config = Gemma4Config(text_config=tiny.text_config_kwargs("e2b"),
+                          vision_config=None, audio_config=None,
+                          tie_word_embeddings=True)
+    config.architectures = ["Gemma4ForCausalLM"]
+    config.to_json_file(tmp_path / "config.json")
+    reports = {fmt: compile_model(str(tmp_path), "v6e-1", logits=False,
+                                  sampling=False, load_format=fmt, **FLAGS)
+               for fmt in ("gemma_qat", "auto")}
+    qat, stock = reports["gemma_qat"], reports["auto"]
+    assert stock.all_compiled
+    # The shared layers' k_proj / v_proj / k_norm, which plan counts too.
+    # (XLA drops their k_norm from the compiled step's arguments: unused.)
+    assert stock.lm_weight_bytes == stock.plan_lm_weight_bytes > \
+        qat.lm_weight_bytes
+    # Every KV-owning layer at full context (tpu-inference 0.32's layout),
+    # against gemma_qat's sliding-window rows.
+    assert stock.kv_bytes == stock.plan_kv_bytes
+    assert stock.num_blocks < qat.num_blocks

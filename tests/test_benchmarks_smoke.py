@@ -45,3 +45,24 @@ def test_serve_bench_smoke(tmp_path):
     assert 0 < agents["prefix_cache_hit_rate"] <= 1
     assert (tmp_path / "results.md").read_text().startswith("# Serving")
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compile_bench_smoke(tmp_path):
+    # Deviceless AOT for a TPU (libtpu), on the tiny E2B-like config.
+    out = subprocess.run(
+        [sys.executable, ROOT / "benchmarks" / "compile_bench.py", "--smoke",
+         "--out", tmp_path], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    [config] = results["configs"]
+    assert (config["model"], config["topology"], config["variant"]) == (
+        "e2b", "v6e-1", "int4")
+    report = config["report"]
+    assert report["all_compiled"], report["programs"]
+    assert [(p["name"], p["shape"]) for p in report["programs"]] == [
+        ("step", {"num_tokens": 16, "num_reqs": 8})]
+    assert report["programs"][0]["est_seconds"] > 0
+    assert report["weight_bytes"] > 0 and report["kv_bytes"] > 0
+    md = (tmp_path / "results.md").read_text()
+    assert md.startswith("# Compiled for a TPU without one")
+    assert "| e2b | v6e-1 (TP=1) | int4 |" in md

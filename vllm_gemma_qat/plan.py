@@ -265,16 +265,19 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
               max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
               max_num_seqs: int = MAX_NUM_SEQS,
               block_size: int | None = None,
-              async_scheduling: bool = True) -> Plan:
+              async_scheduling: bool = True,
+              sliding_window: bool = True) -> Plan:
     """`utilization`: vLLM's --gpu-memory-utilization (its default 0.92);
     the budget is tpu-inference's: HBM x utilization - what the chip holds
-    (the weights)."""
+    (the weights). `sliding_window` False: tpu-inference 0.32's own layout
+    (every layer at full context), as stock serving allocates it."""
     own = [i for i in range(geo.num_layers) if i not in geo.kv_share_map]
     per_token = sum(kv_bytes_per_layer_token(geo, i, kv_dtype, tp)
                     for i in own)
     # vLLM's --max-model-len taken as `context`.
     block_size = block_size or tpu_page_size(context, max_num_seqs)
-    layout = sliding_window_layout(geo, kv_dtype, tp, block_size) \
+    layout = (sliding_window and sliding_window_layout(
+        geo, kv_dtype, tp, block_size)) \
         or full_context_layout(geo, kv_dtype, tp, block_size)
     in_flight = (2 if async_scheduling else 1) * max_num_batched_tokens
     ahead = 2 if async_scheduling else 1  # decode slots allocated past it

@@ -167,14 +167,16 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
                   assistant: str | None = None,
                   num_speculative_tokens: int | None = None,
                   images: bool = True, helpers: bool = True,
-                  log=None) -> Report:
+                  log=None, load_format: str = "gemma_qat") -> Report:
     """Build and compile; `token_buckets`: compile only these of the
     runner's token buckets (None: all of them); `assistant`: a Gemma 4
     assistant directory served with it (`--speculative-config '{"model":
     assistant, "num_speculative_tokens": k}'`; k required with it);
     `images`: a multimodal model's image programs too (as the runner
     compiles them for a multimodal model); `helpers`: the runner's small
-    helper programs too."""
+    helper programs too; `load_format` "auto": stock tpu-inference (no
+    gemma_qat fix; every layer's KV at full context, as 0.32 allocates
+    it)."""
     topo = topology(topology_name)
     tp = tp or topo.chips
     if tp > topo.chips:
@@ -198,7 +200,7 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
             max_num_seqs, max_num_batched_tokens, utilization, logits,
             sampling, token_buckets, log,
             (assistant, num_speculative_tokens) if assistant else None,
-            images, helpers)
+            images, helpers, load_format)
         if assistant:
             report.assistant = assistant
         return report
@@ -210,7 +212,7 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
 def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                          max_model_len, max_num_seqs, max_num_batched_tokens,
                          utilization, logits, sampling, token_buckets, log,
-                         speculative, images, helpers):
+                         speculative, images, helpers, load_format):
     started = time.perf_counter()
 
     from vllm_gemma_qat import checkpoint, cli, plan as planlib
@@ -252,7 +254,7 @@ def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                               sampling, token_buckets, log, table, started,
                               geo,
                               plan_weights, config, planlib, speculative,
-                              images, helpers)
+                              images, helpers, load_format)
     finally:  # (the knob, not a substitution: JAX's public config)
         jax.config.update("jax_enable_compilation_cache", cache_was)
         jax.clear_caches()
@@ -263,7 +265,7 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                    sampling, token_buckets, log, table, started, geo,
                    plan_weights,
                    config, planlib, speculative, images,
-                   helpers) -> Report:
+                   helpers, load_format="gemma_qat") -> Report:
     from jax.experimental import topologies
 
     from vllm_gemma_qat import substitute
@@ -294,6 +296,12 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                 quantization.w4a16_quantization_config()}
             if weights == "int4" and not config.get("quantization_config")
             else None)
+    if load_format != "gemma_qat":  # stock builds the KV-shared layers' K/V
+        from dataclasses import replace
+        from vllm_gemma_qat.checkpoint import numel
+        plan_weights = replace(plan_weights, tensors={
+            n: (2 * numel(shape), numel(shape))
+            for n, shape in geo.skippable("").items()} | plan_weights.tensors)
     with tempfile.TemporaryDirectory(prefix="gemma-qat-aot-") as tmp:
         model_dir = _config_dir(Path(tmp), config, weights)
         spec = None
@@ -309,7 +317,8 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
             try:
                 vllm_config = _vllm_config(
                     model_dir, tp, weights, kv_dtype, dtype, max_model_len,
-                    max_num_seqs, max_num_batched_tokens, utilization, spec)
+                    max_num_seqs, max_num_batched_tokens, utilization, spec,
+                    load_format)
             except ValueError as e:  # pydantic's ValidationError too
                 raise AotError(f"vLLM refuses these flags for {target}: "
                                f"{_first_error(e)}") from None
@@ -327,13 +336,15 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                 max_num_batched_tokens,
                 block_size=vllm_config.cache_config.block_size,
                 async_scheduling=bool(
-                    vllm_config.scheduler_config.async_scheduling))
+                    vllm_config.scheduler_config.async_scheduling),
+                sliding_window=load_format == "gemma_qat")
             p_lm = planlib.make_plan(
                 geo, planlib.Weights(plan_weights.tensors),
                 agents=max_num_seqs, context=max_model_len,
                 kv_dtype=kv_dtype, hbm_gib=topo.hbm_gib,
                 utilization=utilization, form=weights, tp=tp,
-                dtype_bytes=served.itemsize)
+                dtype_bytes=served.itemsize,
+                sliding_window=load_format == "gemma_qat")
             report = _build_and_compile(vllm_config, desc, topo, tp, p, p_lm,
                                         geo,
                                         target, weights, kv_dtype,
@@ -389,10 +400,9 @@ def _first_error(e: Exception) -> str:
 
 def _vllm_config(model_dir, tp, weights, kv_dtype, dtype, max_model_len,
                  max_num_seqs, max_num_batched_tokens, utilization,
-                 speculative_config=None):
+                 speculative_config=None, load_format="gemma_qat"):
     from vllm.engine.arg_utils import EngineArgs
-    from vllm_gemma_qat.gate import LOAD_FORMAT
-    args = EngineArgs(model=str(model_dir), load_format=LOAD_FORMAT,
+    args = EngineArgs(model=str(model_dir), load_format=load_format,
                       skip_tokenizer_init=True, tensor_parallel_size=tp,
                       dtype=dtype, max_model_len=max_model_len,
                       max_num_seqs=max_num_seqs,
