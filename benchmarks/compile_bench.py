@@ -302,7 +302,8 @@ def main(argv=None) -> int:
                          "tp": TOPOLOGIES[topo], "variant": variant}
                 if args.stop_by and time.strftime(
                         "%H:%M", time.gmtime()) >= args.stop_by:
-                    entry["skipped"] = f"not run (past --stop-by {args.stop_by})"
+                    entry["skipped"] = \
+                        f"not run (past --stop-by {args.stop_by})"
                 else:
                     print(f"{model} {topo} {variant}", file=sys.stderr,
                           flush=True)
