@@ -107,8 +107,11 @@ def run_one(target: Path, topo: str, tp: int, variant: str, flags: dict,
         print(f"  [{time.perf_counter() - started:6.0f} s] {message}",
               file=sys.stderr, flush=True)
 
+    # The step programs only (the runner's helpers, logits and sampling
+    # are the same for every variant).
     report = compile_model(str(target), topo, tp=tp, logits=False,
-                           sampling=False, token_buckets=token_buckets,
+                           sampling=False, helpers=False, images=False,
+                           token_buckets=token_buckets,
                            log=log, **VARIANTS[variant], **flags)
     return report.as_dict() | {"wall_s": time.perf_counter() - started}
 
