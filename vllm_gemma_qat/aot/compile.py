@@ -661,8 +661,7 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
         batch = NamedSharding(mesh, P(ShardingAxisName.BATCH))
         data = NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA))
 
-        def sds(shape, dtype, sharding):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        sds = _sds
 
         cells = dict(zip(model.model_fn.__code__.co_freevars,
                          (c.cell_contents for c in model.model_fn.__closure__)))
@@ -813,13 +812,10 @@ def _compile_helpers(report, vllm_config, mesh, token_paddings,
     def sharded(*spec_):
         return NamedSharding(mesh, P(*spec_))
 
-    def sds(shape, dtype, sharding):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    sds = _sds
 
     def add(name, shape, lower):
-        prog = Program(name, shape)
-        _compile(prog, lower, mesh, log)
-        report.programs.append(prog)
+        _add_program(report, mesh, log, name, shape, lower)
 
     data = sharded(ShardingAxisName.ATTN_DATA)
     whole = sharded(None)
@@ -974,13 +970,10 @@ def _compile_spec_helpers(report, vllm_config, mesh, token_paddings,
     def sharded(*spec_):
         return NamedSharding(mesh, P(*spec_))
 
-    def sds(shape, dt, sharding):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    sds = _sds
 
     def add(name, shape, lower):
-        prog = Program(name, shape)
-        _compile(prog, lower, mesh, log)
-        report.programs.append(prog)
+        _add_program(report, mesh, log, name, shape, lower)
 
     data = sharded(ShardingAxisName.ATTN_DATA)
     whole = sharded(None)
@@ -1142,8 +1135,7 @@ def _compile_images(report, model, mesh, kv_caches, layer_to_cache, step,
     dtype = to_jax_dtype(model_config.dtype)
     hidden = model_config.get_hidden_size()
 
-    def sds(shape, dt, sharding):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    sds = _sds
 
     vision = model_config.hf_config.vision_config
     patches = vision.default_output_length * vision.pooling_kernel_size ** 2
@@ -1289,7 +1281,7 @@ def _compile_draft_programs(report, proposer, Eagle3Proposer, mesh,
     rows2d = NamedSharding(mesh, P(ShardingAxisName.ATTN_DATA, None))
 
     def sds(shape, dtype, sharding=data):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        return _sds(shape, dtype, sharding)
 
     model_config = vllm_config.model_config
     draft_hidden = vllm_config.speculative_config.draft_model_config \
@@ -1363,8 +1355,7 @@ def _compile_sampling(report, model_config, mesh, req_paddings, tp,
         lambda: nnx.Rngs(jax.random.key(model_config.seed)).params())
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=whole)
 
-    def sds(shape, dtype, sharding):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    sds = _sds
 
     for num_reqs in req_paddings:
         logits = sds((num_reqs, vocab), jnp.float32, NamedSharding(
@@ -1392,6 +1383,20 @@ def _compile_sampling(report, model_config, mesh, req_paddings, tp,
                     prog.est_seconds = prog.optimal_seconds + \
                         prog.concat_bitcasts
                 report.programs.append(prog)
+
+
+def _sds(shape, dtype, sharding):
+    """An abstract argument: its shape, dtype and sharding."""
+    import jax
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _add_program(report: Report, mesh, log, name: str, shape: dict,
+                 lower) -> None:
+    """Compile `lower()` as program `name` at `shape` into the report."""
+    prog = Program(name, shape)
+    _compile(prog, lower, mesh, log)
+    report.programs.append(prog)
 
 
 def _compile(prog: Program, lower, mesh, log) -> None:
