@@ -330,7 +330,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", help="the KV cache dtype the "
                         "server must run (smoke: passed to its server)")
     parser.add_argument("--smoke", action="store_true", help="start a "
-                        "CPU-mode server on the tiny agent model; small sizes")
+                        "CPU-mode server on the tiny agent model; small sizes, "
+                        "the test servers' 32-token steps")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
@@ -341,8 +342,10 @@ def main() -> None:
         agent.save_servable(model_dir)
         kv = ["--kv-cache-dtype", args.kv_cache_dtype] \
             if args.kv_cache_dtype else []
+        # The test servers' one step size: one model compile, not one per
+        # token bucket the sweep meets (what a smoke run need not time).
         server = CpuServer(model_dir, "--max-model-len", "1024", *SERVE_FLAGS,
-                           *kv, log=args.out / "server.log", step_tokens=None)
+                           *kv, log=args.out / "server.log")
         args.model = args.tokenizer = str(model_dir)
         args.concurrency, args.input_len, args.output_len = [1, 2], 48, 8
         args.agents, args.turns = 2, 2

@@ -10,12 +10,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402
 
+from vllm_gemma_qat.cpu.server import TIMINGS_ENV  # noqa: E402
+
 
 def _on_tpu() -> bool:
     return os.environ.get("JAX_PLATFORMS", "") not in ("cpu", "")
 
 
 def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # A controller stopped by a signal (a timeout, Ctrl-C) takes its
+        # workers with it, and they their servers (cpu/server.py).
+        from vllm_gemma_qat.cpu.server import die_with_parent
+        die_with_parent()
     # One compilation cache for the whole run, made by the main process
     # (pytest-xdist workers start later and inherit it); a fresh one each
     # run, so no run depends on what an earlier one left.
@@ -24,6 +31,33 @@ def pytest_configure(config):
         return
     config._compile_cache = tempfile.mkdtemp(prefix="vllm-gemma-qat-xla-")
     os.environ.update(compile_cache_env(config._compile_cache))
+    # Where servers and trainings say how long they took (the summary).
+    os.environ.setdefault(TIMINGS_ENV, os.path.join(config._compile_cache,
+                                                    "timings.jsonl"))
+    config._timings = os.environ[TIMINGS_ENV]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Where the run's time went, summed over workers: server start-up
+    (`vllm serve` to /health), server shutdown, training (model_cache
+    builds), and the rest (requests, references, in-process tests)."""
+    path = getattr(config, "_timings", None)
+    if not path or not os.path.exists(path):
+        return
+    import json
+    spent = {}
+    for line in open(path):
+        row = json.loads(line)
+        count, seconds = spent.get(row["kind"], (0, 0.0))
+        spent[row["kind"]] = (count + 1, seconds + row["seconds"])
+    total = sum(r.duration for reports in terminalreporter.stats.values()
+                for r in reports if getattr(r, "when", None) in (
+                    "setup", "call", "teardown"))
+    write = terminalreporter.write_line
+    write(f"time summed over workers: {total:.0f} s")
+    for kind, (count, seconds) in sorted(spent.items()):
+        write(f"  {kind}: {count} x, {seconds:.0f} s")
+    write(f"  the rest: {total - sum(s for _, s in spent.values()):.0f} s")
 
 
 def pytest_unconfigure(config):

@@ -159,11 +159,98 @@ def test_cpu_mode_names_the_same_variable():
     assert fixes.CPU_MODE_ENV == cpu.CPU_MODE_ENV
 
 
+def test_the_record_keeps_a_row_per_case(tmp_path, monkeypatch):
+    # What an evidence run writes: each case's row replaced by its latest
+    # run, the failure located on the check's own line.
+    monkeypatch.setitem(globals(), "RECORD", tmp_path / "RECORD.md")
+    monkeypatch.setitem(globals(), "RECORD_DATA", tmp_path / "RECORD.json")
+    report = ("def test_x(served):\n>       assert tokens == ref\nE  assert "
+              "[1] == [2]\n\ntests/harness.py:212: in f\n"
+              "tests/test_serve_int4.py:40: AssertionError")
+    assert failed_at(report) == "tests/test_serve_int4.py:40"
+    record(BUG_CASES[1], "NOT SHOWN: passed")
+    record(CASES[0], "failed as it must (failure)", failed_at(report),
+           "assert tokens == ref")
+    record(BUG_CASES[1], "failed as it must (failure)", failed_at(report), "x")
+    text = (tmp_path / "RECORD.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| kv_")
+            or line.startswith("| int4_")]
+    assert [r.split(" | ")[0] for r in rows] == ["| kv_share",
+                                                 "| int4_highest_nibble_first"]
+    assert "NOT SHOWN" not in text and commit()[:7] in text
+    assert "`tests/test_serve_int4.py:40`" in rows[1]
+
+
+# The last evidence run's outcome, one row per case (README links it).
+RECORD = TESTS.parent / "evidence" / "RECORD.md"
+RECORD_DATA = RECORD.with_suffix(".json")
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "describe", "--always", "--dirty",
+                          "--abbrev=12"], cwd=TESTS, capture_output=True,
+                         text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def failed_at(report_text: str) -> str:
+    """The check's own line its failure report ends on (a start-up error:
+    the fixture line that started the server)."""
+    lines = re.findall(r"(?m)^(tests/[\w/]+\.py):(\d+): ", report_text)
+    return f"{lines[-1][0]}:{lines[-1][1]}" if lines else "(no test line)"
+
+
+def record(case: Case, outcome: str, where: str = "", shown: str = ""):
+    """Put `case`'s row into RECORD (rows of other cases kept)."""
+    import datetime
+    import json
+    rows = json.loads(RECORD_DATA.read_text()) if RECORD_DATA.exists() else {}
+    rows[case.fix] = {
+        "case": case.fix, "kind": "bug put back" if case.bug else "fix left out",
+        "check": case.check, "outcome": outcome, "failed_at": where,
+        "shown": shown, "commit": commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime(
+            "%Y-%m-%d %H:%M UTC")}
+    RECORD.parent.mkdir(exist_ok=True)
+    RECORD_DATA.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
+    order = [c.fix for c in CASES + BUG_CASES]
+    table = ["# Evidence: each serving check fails on the bug it guards", "",
+             "Written by `VLLM_GEMMA_QAT_EVIDENCE=1 ./run tests "
+             "tests/test_evidence.py` (one row per case, from its last run; "
+             "`RECORD.json` holds the same). *failed at*: the check's line "
+             "its failure report ends on; *shown by*: the first line of what "
+             "the case's pattern matched (the report or the server log).", "",
+             "| case | kind | check | outcome | failed at | shown by | commit "
+             "| date |", "|---|---|---|---|---|---|---|---|"]
+    for fix in sorted(rows, key=lambda f: order.index(f) if f in order
+                      else len(order)):
+        r = rows[fix]
+        cells = [r["case"], r["kind"], f"`{r['check']}`", r["outcome"],
+                 f"`{r['failed_at']}`" if r["failed_at"] else "",
+                 f"`{r['shown']}`" if r["shown"] else "", r["commit"],
+                 r["date"]]
+        table.append("| " + " | ".join(c.replace("|", "\\|") for c in cells)
+                     + " |")
+    RECORD.write_text("\n".join(table) + "\n")
+
+
 @pytest.mark.parametrize("case", CASES + BUG_CASES,
                          ids=[c.fix for c in CASES + BUG_CASES])
 def test_check_fails_on_the_bug_it_guards(case, tmp_path):
     if os.environ.get(EVIDENCE_ENV) != "1":
         pytest.skip(f"evidence runs start a server each: {EVIDENCE_ENV}=1")
+    try:
+        outcome, where, shown = run_case(case, tmp_path)
+    except AssertionError as e:
+        record(case, "NOT SHOWN: " + str(e).splitlines()[0][:200])
+        raise
+    except BaseException as e:
+        record(case, f"NOT RUN: {type(e).__name__}: {e}"[:200])
+        raise
+    record(case, outcome, where, shown)
+
+
+def run_case(case: Case, tmp_path) -> tuple[str, str, str]:
     report, basetemp = tmp_path / "report.xml", tmp_path / "run"
     env = dict(os.environ)
     for name in (fixes.WITHOUT_ENV, bugs.BUG_ENV):  # this case's only
@@ -198,4 +285,8 @@ def test_check_fails_on_the_bug_it_guards(case, tmp_path):
                             for e in failed)
     logs = "\n".join(p.read_text(errors="replace")
                      for p in sorted(basetemp.rglob("*.log")))
-    assert re.search(case.failure, report_text + logs), report_text[-3000:]
+    match = re.search(case.failure, report_text + logs)
+    assert match, report_text[-3000:]
+    shown = match.group(0).strip().splitlines()[0][:160]
+    return (f"failed as it must ({failed[0].tag})", failed_at(report_text),
+            shown)

@@ -172,17 +172,40 @@ def test_plugin_detects_fixed_tpu_inference_and_still_loads(patched, tiny_models
     assert out.returncode == 0 and "packs True" in out.stdout, out.stderr
 
 
+@pytest.fixture(scope="module")
+def new_test_files_run(patched, tmp_path_factory):
+    """Every later patch's new test file written into the patched copy and
+    run in one pytest process (each file alone imports tpu-inference for
+    ~20 s): {test file: its junit testcases' outcomes}, and the output."""
+    import xml.etree.ElementTree as ET
+    files = []
+    for patch_name, (tests, _, _) in sorted(NEW_TEST_FILES.items()):
+        text = (ROOT / "patches" / patch_name).read_text()
+        file = patched / tests
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(new_file(text, tests))
+        files.append(file)
+    report = tmp_path_factory.mktemp("new-test-files") / "report.xml"
+    out = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                f"--junitxml={report}", *files], patched)
+    outcomes = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        path = case.get("classname").replace(".", "/") + ".py"
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = child.tag
+        outcomes.setdefault(path, []).append(outcome)
+    return outcomes, out.stdout
+
+
 @pytest.mark.parametrize("patch_name", sorted(NEW_TEST_FILES))
 def test_new_test_files_of_later_patches_pass_against_patched_copy(
-        patched, patch_name):
+        new_test_files_run, patch_name):
     tests, touched, count = NEW_TEST_FILES[patch_name]
     text = (ROOT / "patches" / patch_name).read_text()
     for path in touched:
         assert f"diff --git a/{path} b/{path}" in text
-    file = patched / tests
-    file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text(new_file(text, tests))
-    out = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", file], patched)
-    assert out.returncode == 0, out.stdout[-4000:]
-    assert re.search(rf"^{count} passed\b", out.stdout, re.M) \
-        and "failed" not in out.stdout, out.stdout[-2000:]
+    outcomes, output = new_test_files_run
+    assert outcomes.get(tests) == ["passed"] * count, (
+        f"{tests}: {outcomes.get(tests)}\n{output[-4000:]}")

@@ -2,12 +2,14 @@
 demo, the end-to-end tests and the serving benchmark's smoke run)."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -21,6 +23,80 @@ from vllm_gemma_qat.cpu import CPU_MODE_ENV
 # Small, because CPU mode's attention gathers a step's whole context per
 # token; longer prompts are prefilled in chunks (vLLM's chunked prefill).
 STEP_TOKENS = 32
+
+
+# Resolved here, not in the forked child (which must not load anything).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+_PR_SET_PDEATHSIG = 1
+# Servers started by this process and not yet stopped: a signal that ends
+# the process ends them first (`_stop_live_servers_on_signals`).
+_LIVE: set["CpuServer"] = set()
+
+
+def die_with_parent() -> None:
+    """SIGTERM to this process when the process that started it dies,
+    however it dies (SIGKILL included). Run in each server's process before
+    exec, so a server never outlives what started it (the API server stops
+    its engine on SIGTERM); conftest.py runs it in pytest-xdist workers."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def stop_live_servers() -> None:
+    """Stop every server this process started and has not stopped: each
+    process group (API server, engine cores) SIGTERMed, then SIGKILLed
+    after a grace period."""
+    servers = list(_LIVE)
+    for server in servers:
+        server._signal_group(signal.SIGTERM)
+    deadline = time.time() + 10
+    for server in servers:
+        try:
+            server.process.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            pass
+        server._signal_group(signal.SIGKILL)
+        _LIVE.discard(server)
+
+
+_handlers_installed = False
+
+
+def _stop_live_servers_on_signals() -> None:
+    """SIGTERM, SIGINT and SIGHUP stop this process's servers first, then
+    do what they did before (a timeout or Ctrl-C must not leave `vllm
+    serve` processes behind: they run in sessions of their own, which no
+    terminal or process-group signal reaches)."""
+    global _handlers_installed
+    if _handlers_installed or threading.current_thread() is not \
+            threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        before = signal.getsignal(signum)
+
+        def handler(number, frame, before=before):
+            stop_live_servers()
+            if callable(before):
+                return before(number, frame)
+            if before == signal.SIG_IGN:
+                return None
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+
+        signal.signal(signum, handler)
+    _handlers_installed = True
+
+
+TIMINGS_ENV = "VLLM_GEMMA_QAT_TIMINGS"
+
+
+def record_timing(kind: str, seconds: float, **what) -> None:
+    """Append one timing to the JSON-lines file `VLLM_GEMMA_QAT_TIMINGS`
+    names, if any (a test run sums them: tests/conftest.py)."""
+    path = os.environ.get(TIMINGS_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"kind": kind, "seconds": round(seconds, 2),
+                                **what}) + "\n")
 
 
 def free_port() -> int:
@@ -71,16 +147,23 @@ class CpuServer:
         command = [str(Path(sys.executable).with_name("vllm")), "serve",
                    self.model, *self.args]
         self._log_file = open(self.log, "w")
+        _stop_live_servers_on_signals()
         self.process = subprocess.Popen(command, env=env, stdout=self._log_file,
                                         stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                                        start_new_session=True,
+                                        preexec_fn=die_with_parent)
+        _LIVE.add(self)
+        started = time.monotonic()
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
             if self.process.poll() is not None:
+                self.__exit__()  # its engine cores may still run
                 raise RuntimeError(f"vllm serve exited with "
                                    f"{self.process.returncode}; see {self.log}")
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=2)
+                record_timing("server start-up", time.monotonic() - started,
+                              model=Path(self.model).name)
                 return self
             except OSError:
                 time.sleep(0.25)
@@ -89,6 +172,7 @@ class CpuServer:
                            f"see {self.log}")
 
     def __exit__(self, *exc) -> None:
+        stopping = time.monotonic()
         if self.process and self.process.poll() is None:
             # As `kill <pid>` would: the API server then stops its engine
             # (signalling the whole group races that shutdown).
@@ -98,7 +182,18 @@ class CpuServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+        # Engine cores left by an API server that died first.
+        self._signal_group(signal.SIGKILL)
+        _LIVE.discard(self)
         self._log_file.close()
+        record_timing("server shutdown", time.monotonic() - stopping,
+                      model=Path(self.model).name)
+
+    def _signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def post(self, path: str, body: dict, timeout: float = 300) -> dict:
         request = urllib.request.Request(

@@ -11,8 +11,9 @@ float, then with every language-model linear held on the q4_0 grid
 (straight-through rounding), so the bf16 QAT export and the int4 served
 from it hold the same weights. Training stops when every answer token is
 the argmax by a clear margin. Nothing is downloaded or committed: the
-tests train it (about 10 s on 2 cores: 4 agent turns plus one tool-result
-turn, prompts of ~75 tokens).
+tests train it once per machine (`trained`, kept in `model_cache`; 80 s of
+CPU on 2026-12-06: 4 agent turns plus one tool-result turn, prompts of ~75
+tokens).
 
 Gemma 4's format (vLLM `parser/gemma4.py`): tools are declared in the
 system turn as `<|tool>declaration:NAME{...}<tool|>`, a call is
@@ -341,58 +342,84 @@ PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
                   "MKL_NUM_THREADS": "1"}
 
 
-def save_servable(path: str | Path, form: str | None = None, seed: int = 0,
-                  log=None):
-    """Train (`train`, in a process with `PINNED_KERNELS`: torch reads them
-    when it starts) and write a model directory `vllm serve` accepts: the
-    QAT export (form None: bf16 values; "q4_0" / "w4a16": tiny.py's int4
-    forms), the tokenizer and a generation config whose stop tokens include
-    `<turn|>` and `<|tool_response>`. Returns the trained transformers model
-    (fp32, eval mode), read back from `reference_dir(path)`."""
+def trained(seed: int = 0, log=None) -> Path:
+    """The trained model in the machine's model cache (`model_cache`):
+    `reference/` (transformers' format, fp32, eval) and `grid.safetensors`
+    (the linears' q4_0 `q` and `d`, as `train` returns them). Trained when
+    missing, stale or corrupt, by `train` in a process with
+    `PINNED_KERNELS` (torch reads them when it starts); keyed by this
+    file's, tiny.py's and int4.py's source, the seed, the pinned kernels
+    and the torch / transformers versions."""
     import os
     import subprocess
     import sys
 
+    from vllm_gemma_qat import int4
+    from vllm_gemma_qat.testing import model_cache
+    key = {"trainer": model_cache.source_digest(__file__, tiny.__file__,
+                                                int4.__file__),
+           "seed": seed, "pinned_kernels": PINNED_KERNELS,
+           **model_cache.versions()}
+
+    def build(directory: Path):
+        command = [sys.executable, "-m", __name__, str(directory), "--seed",
+                   str(seed)] + (["--log"] if log else [])
+        subprocess.run(command, check=True,
+                       env={**os.environ, **PINNED_KERNELS})
+
+    return model_cache.entry("agent", key, build, log=log)
+
+
+def save_servable(path: str | Path, form: str | None = None, seed: int = 0,
+                  log=None):
+    """Write a model directory `vllm serve` accepts from the `trained`
+    model: the QAT export (form None: bf16 values; "q4_0" / "w4a16":
+    tiny.py's int4 forms), the tokenizer and a generation config whose stop
+    tokens include `<turn|>` and `<|tool_response>`. Returns the trained
+    transformers model (fp32, eval mode)."""
     import torch
+    from safetensors.numpy import load_file
     from transformers import Gemma4ForCausalLM
-    command = [sys.executable, "-m", __name__, str(path), "--seed", str(seed)]
-    if form:
-        command += ["--form", form]
-    if log:
-        command.append("--log")
-    subprocess.run(command, check=True, env={**os.environ, **PINNED_KERNELS})
-    return Gemma4ForCausalLM.from_pretrained(
-        reference_dir(path), dtype=torch.float32).eval()
 
-
-def reference_dir(path: str | Path) -> Path:
-    """Where the trained model is kept in transformers' own format, beside
-    the served directory."""
-    path = Path(path)
-    return path.with_name(path.name + ".reference")
-
-
-def _save_trained(path: str | Path, form: str | None, seed: int, log=None):
-    tokenizer = save_tokenizer(path)
-    model, grid, _ = train(tokenizer, seed, log=log)
-    model.save_pretrained(reference_dir(path))
+    from vllm_gemma_qat import int4
+    entry = trained(seed, log)
+    model = Gemma4ForCausalLM.from_pretrained(
+        entry / "reference", dtype=torch.float32).eval()
+    save_tokenizer(path)
     if form is None:
         tiny.save_checkpoint(model, path, layout="qat", dtype=None)
     else:
+        arrays = load_file(entry / "grid.safetensors")
+        grid = {name[:-len(".q")]: (arrays[name],
+                                    arrays[name[:-1] + "d"].astype(int4.BF16))
+                for name in arrays if name.endswith(".q")}
         tiny.save_int4_checkpoint(model, path, grid, form)
     save_tokenizer(path)  # save_pretrained rewrote the directory's files
     Path(path, "generation_config.json").write_text(json.dumps({
         "bos_token_id": 2, "pad_token_id": 0,
         "eos_token_id": [tiny_id(t) for t in STOP]}))
+    return model
+
+
+def _train_into(directory: str | Path, seed: int, log=None):
+    """`train`, written as `trained` reads it."""
+    import numpy as np
+    from safetensors.numpy import save_file
+    tokenizer = save_tokenizer(Path(directory) / "tokenizer")
+    model, grid, _ = train(tokenizer, seed, log=log)
+    model.save_pretrained(Path(directory) / "reference")
+    arrays = {}
+    for name, (q, d) in grid.items():
+        arrays[name + ".q"] = np.ascontiguousarray(q)
+        arrays[name + ".d"] = d.astype(np.float32)  # bf16 values: exact
+    save_file(arrays, Path(directory) / "grid.safetensors")
 
 
 if __name__ == "__main__":
     import argparse
-    parser = argparse.ArgumentParser(description=save_servable.__doc__)
-    parser.add_argument("path")
-    parser.add_argument("--form", choices=["q4_0", "w4a16"])
+    parser = argparse.ArgumentParser(description=_train_into.__doc__)
+    parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", action="store_true")
     args = parser.parse_args()
-    _save_trained(args.path, args.form, args.seed,
-                  log=print if args.log else None)
+    _train_into(args.directory, args.seed, log=print if args.log else None)

@@ -414,11 +414,33 @@ def save_trained(path: str | Path, target, requests, seed: int = 0,
     """`train` an assistant for `target` on the agent conversations (the
     first five of `save_target`'s requests; the other three pass through
     the same states) and write it in bf16 to `path`. Returns it in float64
-    (holding the same bf16 values)."""
+    (holding the same bf16 values). Trained once per machine: kept in
+    `model_cache`, keyed by this file's and geometry.py's source, the
+    target's tensors, the conversations, the seed and `config`."""
+    import shutil
+
     import torch
-    helper, _, _ = train(target, requests[:5], seed, log=log, **config)
-    save(helper.to(torch.bfloat16), path)
-    return helper.to(torch.float64)
+    from transformers import Gemma4AssistantForCausalLM
+
+    from vllm_gemma_qat import geometry
+    from vllm_gemma_qat.testing import model_cache
+    key = {"trainer": model_cache.source_digest(__file__, geometry.__file__),
+           "target": model_cache.tensor_digest(target),
+           "requests": [list(map(list, r)) for r in requests[:5]],
+           "seed": seed, "config": config, **model_cache.versions()}
+
+    def build(directory: Path):
+        helper, _, _ = train(target, requests[:5], seed, log=log, **config)
+        save(helper, directory, dtype=torch.bfloat16)
+
+    entry = model_cache.entry("assistant", key, build, log=log)
+    shutil.copytree(entry, path, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns(model_cache.MANIFEST))
+    # As `train` returns it, saved in bf16, then widened (`Module.to` casts
+    # the RoPE buffers too): the same values, buffers included.
+    helper = Gemma4AssistantForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation="eager")
+    return helper.to(torch.bfloat16).to(torch.float64).eval()
 
 
 def stop_tokens() -> set[int]:

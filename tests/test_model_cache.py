@@ -1,0 +1,105 @@
+"""The machine's cache of trained tiny models (testing/model_cache.py): an
+entry is made once, served while every file it wrote hashes as written,
+and rebuilt when it is stale (its trainer changed), incomplete or corrupt.
+The entries here are real tiny checkpoints (transformers' save_pretrained of
+a tiny Gemma 4), in a cache directory of the test's own."""
+import threading
+
+import pytest
+
+from vllm_gemma_qat.testing import model_cache, tiny
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(model_cache.ROOT_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+class Builder:
+    """Writes a tiny Gemma 4 checkpoint; counts its builds."""
+
+    def __init__(self, seed=0):
+        self.seed, self.builds = seed, 0
+
+    def __call__(self, directory):
+        self.builds += 1
+        tiny.build_model("e2b", multimodal=False, seed=self.seed
+                         ).save_pretrained(directory)
+
+
+def weights(path):
+    return (path / "model.safetensors").read_bytes()
+
+
+def test_built_once_then_served(cache):
+    build = Builder()
+    first = model_cache.entry("tiny", {"seed": 0}, build)
+    again = model_cache.entry("tiny", {"seed": 0}, build)
+    assert first == again and first.parent == cache and build.builds == 1
+    assert (first / model_cache.MANIFEST).exists()
+
+
+def test_a_corrupt_entry_is_rebuilt_never_served(cache):
+    build = Builder()
+    path = model_cache.entry("tiny", {"seed": 0}, build)
+    good = weights(path)
+    corrupt = bytearray(good)
+    corrupt[len(corrupt) // 2] ^= 0xFF  # one flipped byte inside a tensor
+    (path / "model.safetensors").write_bytes(bytes(corrupt))
+    assert not model_cache.is_valid(path, {"seed": 0})
+    assert model_cache.entry("tiny", {"seed": 0}, build) == path
+    assert build.builds == 2 and weights(path) == good
+
+
+@pytest.mark.parametrize("damage", ["manifest", "file"])
+def test_an_incomplete_entry_is_rebuilt(cache, damage):
+    # A run killed while writing: no manifest yet, or a file missing.
+    build = Builder()
+    path = model_cache.entry("tiny", {"seed": 0}, build)
+    good = weights(path)
+    (path / (model_cache.MANIFEST if damage == "manifest"
+             else "config.json")).unlink()
+    assert model_cache.entry("tiny", {"seed": 0}, build) == path
+    assert build.builds == 2 and weights(path) == good
+    assert model_cache.is_valid(path, {"seed": 0})
+
+
+def test_a_changed_trainer_trains_anew(cache, tmp_path):
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text("STEPS = 300\n")
+    build = Builder()
+    key = {"trainer": model_cache.source_digest(trainer)}
+    old = model_cache.entry("tiny", key, build)
+    trainer.write_text("STEPS = 301\n")
+    key = {"trainer": model_cache.source_digest(trainer)}
+    new = model_cache.entry("tiny", key, Builder(seed=1))
+    assert new != old and weights(new) != weights(old)
+    # An entry whose manifest records another key is not served under it.
+    assert not model_cache.is_valid(old, key)
+
+
+def test_a_failed_build_leaves_no_entry(cache):
+    def failing(directory):
+        (directory / "half.safetensors").write_bytes(b"half")
+        raise RuntimeError("training diverged")
+
+    with pytest.raises(RuntimeError, match="diverged"):
+        model_cache.entry("tiny", {"seed": 0}, failing)
+    assert [p.name for p in cache.iterdir()
+            if not p.name.endswith(".lock")] == []
+    build = Builder()
+    path = model_cache.entry("tiny", {"seed": 0}, build)
+    assert build.builds == 1 and model_cache.is_valid(path, {"seed": 0})
+
+
+def test_concurrent_users_build_it_once(cache):
+    build = Builder()
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(
+        model_cache.entry("tiny", {"seed": 0}, build))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert build.builds == 1 and len(set(paths)) == 1

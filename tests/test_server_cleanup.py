@@ -1,0 +1,91 @@
+"""A stopped test run takes its servers with it. `vllm serve` runs in a
+session of its own (cpu/server.py), which no terminal or process-group
+signal reaches; SIGTERM to pytest, as `timeout` sends it to the controller
+of a pytest-xdist run, must still leave no API server or engine core
+behind (seen before: a suite killed at its time limit left two TP servers
+running, holding GBs)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+HOLDS_A_SERVER = '''
+import os
+import time
+from pathlib import Path
+
+from vllm_gemma_qat.cpu.server import CpuServer
+from vllm_gemma_qat.testing import tiny
+
+
+def test_holds_a_server(tmp_path):
+    tiny.save_servable(tmp_path / "model", multimodal=False)
+    with CpuServer(tmp_path / "model", log=tmp_path / "server.log") as server:
+        Path(os.environ["HELD_SERVER_PID"]).write_text(str(server.process.pid))
+        time.sleep(900)
+'''
+
+
+def session_members(sid: int) -> list[int]:
+    """The live processes of session `sid` (a server's: its API server and
+    engine cores)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def wait_for(condition, seconds: float, step: float = 0.5):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(step)
+    return condition()
+
+
+@pytest.mark.slow
+def test_sigterm_to_pytest_leaves_no_server_process(tmp_path):
+    (tmp_path / "test_holds.py").write_text(HOLDS_A_SERVER)
+    marker = tmp_path / "server.pid"
+    env = dict(os.environ, HELD_SERVER_PID=str(marker),
+               PYTHONPATH=os.pathsep.join(
+                   [str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    env.pop("PYTEST_XDIST_WORKER", None)
+    # A pytest-xdist run with this suite's conftest, in a session of its
+    # own; SIGTERM goes to its controller only.
+    run = subprocess.Popen(
+        [sys.executable, "-m", "pytest", str(tmp_path / "test_holds.py"),
+         "-q", "-p", "no:cacheprovider", "-p", "conftest", "-n", "1",
+         f"--basetemp={tmp_path / 'run'}", f"--rootdir={tmp_path}"],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    server = None
+    try:
+        assert wait_for(lambda: marker.exists() or run.poll() is not None,
+                        600), "the server did not start in 600 s"
+        assert marker.exists(), run.communicate()[0][-3000:]
+        server = int(marker.read_text())
+        # Up and serving: the API server and at least one engine core.
+        assert len(session_members(server)) >= 2, session_members(server)
+        os.kill(run.pid, signal.SIGTERM)
+        run.wait(timeout=120)
+        assert wait_for(lambda: not session_members(server), 30), \
+            f"left running: {session_members(server)}"
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+        if server:
+            for pid in session_members(server):
+                os.kill(pid, signal.SIGKILL)
