@@ -21,6 +21,7 @@ wrong order under TP); others are shown by their own tests: the drafter reading
 the last group's block table (`test_sliding_window`), a q_scale 10% off
 (`test_real_kernels`), the per-module cache clears (`test_load_compiles`).
 """
+import functools
 import os
 import re
 import signal
@@ -164,14 +165,19 @@ def test_the_record_keeps_a_row_per_case(tmp_path, monkeypatch):
     # run, the failure located on the check's own line.
     monkeypatch.setitem(globals(), "RECORD", tmp_path / "RECORD.md")
     monkeypatch.setitem(globals(), "RECORD_DATA", tmp_path / "RECORD.json")
-    report = ("def test_x(served):\n>       assert tokens == ref\nE  assert "
-              "[1] == [2]\n\ntests/harness.py:212: in f\n"
-              "tests/test_serve_int4.py:40: AssertionError")
-    assert failed_at(report) == "tests/test_serve_int4.py:40"
+    # As pytest writes a failure inside a helper: the test's frame, then
+    # the helper's (the deepest last).
+    report = ("def test_int4_serves_exactly(served):\n>       assert_equal("
+              "...)\n\ntests/test_serve_int4.py:40: \n\n>       assert "
+              "tokens == ref\nE  assert [1] == [2]\n\n"
+              "tests/harness.py:212: AssertionError")
+    check = BUG_CASES[1].check
+    assert failed_at(report, check) == "tests/test_serve_int4.py:40"
     record(BUG_CASES[1], "NOT SHOWN: passed")
-    record(CASES[0], "failed as it must (failure)", failed_at(report),
-           "assert tokens == ref")
-    record(BUG_CASES[1], "failed as it must (failure)", failed_at(report), "x")
+    record(CASES[0], "failed as it must (failure)",
+           failed_at(report, CASES[0].check), "assert tokens == ref")
+    record(BUG_CASES[1], "failed as it must (failure)",
+           failed_at(report, check), "x")
     text = (tmp_path / "RECORD.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| kv_")
             or line.startswith("| int4_")]
@@ -179,6 +185,7 @@ def test_the_record_keeps_a_row_per_case(tmp_path, monkeypatch):
                                                  "| int4_highest_nibble_first"]
     assert "NOT SHOWN" not in text and commit()[:7] in text
     assert "`tests/test_serve_int4.py:40`" in rows[1]
+    assert "(no line in tests/test_serve_e2e.py)" in rows[0]
 
 
 # The last evidence run's outcome, one row per case (README links it).
@@ -186,18 +193,29 @@ RECORD = TESTS.parent / "evidence" / "RECORD.md"
 RECORD_DATA = RECORD.with_suffix(".json")
 
 
+@functools.cache
 def commit() -> str:
-    out = subprocess.run(["git", "describe", "--always", "--dirty",
-                          "--abbrev=12"], cwd=TESTS, capture_output=True,
-                         text=True)
-    return out.stdout.strip() or "unknown"
+    """The commit the run tests, "+changes" if files outside evidence/
+    differ from it (the record itself changes with every case)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=TESTS.parent,
+                              capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    changed = git("status", "--porcelain", "--", ".", ":!evidence")
+    return head + ("+changes" if changed else "")
 
 
-def failed_at(report_text: str) -> str:
-    """The check's own line its failure report ends on (a start-up error:
-    the fixture line that started the server)."""
-    lines = re.findall(r"(?m)^(tests/[\w/]+\.py):(\d+): ", report_text)
-    return f"{lines[-1][0]}:{lines[-1][1]}" if lines else "(no test line)"
+def failed_at(report_text: str, check: str) -> str:
+    """The line of the check's own file where its failure report stops in
+    it (a start-up error: the fixture line that started the server)."""
+    own = "tests/" + check.split("::")[0]
+    lines = [f"{path}:{line}" for path, line in re.findall(
+        r"(?m)^(tests/[\w/]+\.py):(\d+): ", report_text) if path == own]
+    return lines[-1] if lines else "(no line in " + own + ")"
+
+
+class NotRun(AssertionError):
+    """The case's pytest did not run its check (exit 2-5)."""
 
 
 def record(case: Case, outcome: str, where: str = "", shown: str = ""):
@@ -241,6 +259,9 @@ def test_check_fails_on_the_bug_it_guards(case, tmp_path):
         pytest.skip(f"evidence runs start a server each: {EVIDENCE_ENV}=1")
     try:
         outcome, where, shown = run_case(case, tmp_path)
+    except NotRun as e:
+        record(case, "NOT RUN: " + str(e).splitlines()[0][:200])
+        raise
     except AssertionError as e:
         record(case, "NOT SHOWN: " + str(e).splitlines()[0][:200])
         raise
@@ -273,9 +294,10 @@ def run_case(case: Case, tmp_path) -> tuple[str, str, str]:
     print(output[-4000:])
     # 1: tests ran and some failed (not 0: passed; not 2-5: pytest itself
     # stopped, collection failed, nothing ran).
-    assert run.returncode == 1, (
-        f"{case.check} with {case.env}: pytest exit "
-        f"{run.returncode}")
+    if run.returncode not in (0, 1):
+        raise NotRun(f"{case.check} with {case.env}: pytest exit "
+                     f"{run.returncode}")
+    assert run.returncode == 1, f"{case.check} passed with {case.env}"
     (result,) = list(ET.parse(report).getroot().iter("testcase"))
     failed = [e for e in result if e.tag in ("failure", "error")]
     assert failed, f"{case.check} passed with {case.env}"
@@ -288,5 +310,5 @@ def run_case(case: Case, tmp_path) -> tuple[str, str, str]:
     match = re.search(case.failure, report_text + logs)
     assert match, report_text[-3000:]
     shown = match.group(0).strip().splitlines()[0][:160]
-    return (f"failed as it must ({failed[0].tag})", failed_at(report_text),
-            shown)
+    return (f"failed as it must ({failed[0].tag})",
+            failed_at(report_text, case.check), shown)

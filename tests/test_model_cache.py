@@ -102,4 +102,4 @@ def test_concurrent_users_build_it_once(cache):
         t.start()
     for t in threads:
         t.join()
-    assert build.builds == 1 and len(set(paths)) == 1
+    assert len(paths) == 3 and len(set(paths)) == 1 and build.builds == 1

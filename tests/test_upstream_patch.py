@@ -187,7 +187,8 @@ def new_test_files_run(patched, tmp_path_factory):
         files.append(file)
     report = tmp_path_factory.mktemp("new-test-files") / "report.xml"
     out = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider",
-                f"--junitxml={report}", *files], patched)
+                f"--rootdir={patched}", f"--junitxml={report}", *files],
+               patched)
     outcomes = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         path = case.get("classname").replace(".", "/") + ".py"

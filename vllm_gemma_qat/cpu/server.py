@@ -3,6 +3,7 @@ demo, the end-to-end tests and the serving benchmark's smoke run)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -33,12 +34,15 @@ _PR_SET_PDEATHSIG = 1
 _LIVE: set["CpuServer"] = set()
 
 
-def die_with_parent() -> None:
-    """SIGTERM to this process when the process that started it dies,
-    however it dies (SIGKILL included). Run in each server's process before
-    exec, so a server never outlives what started it (the API server stops
-    its engine on SIGTERM); conftest.py runs it in pytest-xdist workers."""
+def die_with_parent(parent: int | None = None) -> None:
+    """SIGTERM to this process when the thread that started it ends, however
+    its process dies (SIGKILL included); at once if `parent` (the pid that
+    started it) is already gone. Run in each server's process before exec,
+    so a server never outlives what started it (the API server stops its
+    engine on SIGTERM); conftest.py runs it in pytest-xdist workers."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def stop_live_servers() -> None:
@@ -70,15 +74,17 @@ def _stop_live_servers_on_signals() -> None:
     if _handlers_installed or threading.current_thread() is not \
             threading.main_thread():
         return
+    owner = os.getpid()
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         before = signal.getsignal(signum)
+        if before in (signal.SIG_IGN, None):  # e.g. SIGHUP under nohup
+            continue
 
         def handler(number, frame, before=before):
-            stop_live_servers()
+            if os.getpid() == owner:  # not in a forked child
+                stop_live_servers()
             if callable(before):
                 return before(number, frame)
-            if before == signal.SIG_IGN:
-                return None
             signal.signal(number, signal.SIG_DFL)
             os.kill(os.getpid(), number)
 
@@ -151,7 +157,8 @@ class CpuServer:
         self.process = subprocess.Popen(command, env=env, stdout=self._log_file,
                                         stderr=subprocess.STDOUT,
                                         start_new_session=True,
-                                        preexec_fn=die_with_parent)
+                                        preexec_fn=functools.partial(
+                                            die_with_parent, os.getpid()))
         _LIVE.add(self)
         started = time.monotonic()
         deadline = time.time() + self.startup_timeout

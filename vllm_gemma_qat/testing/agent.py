@@ -350,11 +350,13 @@ def trained(seed: int = 0, log=None) -> Path:
     `PINNED_KERNELS` (torch reads them when it starts); keyed by this
     file's, tiny.py's and int4.py's source, the seed, the pinned kernels
     and the torch / transformers versions."""
+    import functools
     import os
     import subprocess
     import sys
 
     from vllm_gemma_qat import int4
+    from vllm_gemma_qat.cpu.server import die_with_parent
     from vllm_gemma_qat.testing import model_cache
     key = {"trainer": model_cache.source_digest(__file__, tiny.__file__,
                                                 int4.__file__),
@@ -365,7 +367,9 @@ def trained(seed: int = 0, log=None) -> Path:
         command = [sys.executable, "-m", __name__, str(directory), "--seed",
                    str(seed)] + (["--log"] if log else [])
         subprocess.run(command, check=True,
-                       env={**os.environ, **PINNED_KERNELS})
+                       env={**os.environ, **PINNED_KERNELS},
+                       preexec_fn=functools.partial(die_with_parent,
+                                                    os.getpid()))
 
     return model_cache.entry("agent", key, build, log=log)
 

@@ -416,7 +416,9 @@ def save_trained(path: str | Path, target, requests, seed: int = 0,
     the same states) and write it in bf16 to `path`. Returns it in float64
     (holding the same bf16 values). Trained once per machine: kept in
     `model_cache`, keyed by this file's and geometry.py's source, the
-    target's tensors, the conversations, the seed and `config`."""
+    target's tensors and config, the conversations, the seed and
+    `config`."""
+    import json
     import shutil
 
     import torch
@@ -426,6 +428,8 @@ def save_trained(path: str | Path, target, requests, seed: int = 0,
     from vllm_gemma_qat.testing import model_cache
     key = {"trainer": model_cache.source_digest(__file__, geometry.__file__),
            "target": model_cache.tensor_digest(target),
+           # assistant_config copies token ids, RoPE and more from it.
+           "target_config": json.loads(target.config.to_json_string()),
            "requests": [list(map(list, r)) for r in requests[:5]],
            "seed": seed, "config": config, **model_cache.versions()}
 

@@ -64,8 +64,8 @@ def is_valid(path: Path, key: dict) -> bool:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    return manifest.get("key") == key and manifest.get(
-        "files") == _file_hashes(path) and bool(manifest["files"])
+    return isinstance(manifest, dict) and manifest.get("key") == key and \
+        bool(manifest.get("files")) and manifest["files"] == _file_hashes(path)
 
 
 @contextmanager
@@ -93,8 +93,10 @@ def entry(name: str, key: dict, build: Callable[[Path], None],
         if path.exists() and log:
             log(f"model cache: {path} is incomplete or corrupt: rebuilding")
         shutil.rmtree(path, ignore_errors=True)
+        # Left by a build that was killed (only the lock holder builds).
+        for stale in path.parent.glob(path.name + ".building-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         scratch = path.with_name(path.name + f".building-{os.getpid()}")
-        shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True)
         try:
             started = time.monotonic()
