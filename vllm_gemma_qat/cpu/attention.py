@@ -56,18 +56,38 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices,
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
     pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
 
-    # Cache rows: [slot, kv_head * 2 (+pad), head_dim]; k at even, v at odd.
-    slots = kv_cache.reshape(num_pages * page_size, -1, padded_head_dim)
-    if update_kv_cache:
-        new = merge_kv(k, v).reshape(num_tokens, -1, padded_head_dim)
-        page = page_indices[seq * pages_per_seq + pos // page_size]
-        slot = jnp.where(valid, page * page_size + pos % page_size,
-                         num_pages * page_size)  # out of range: dropped
-        slots = slots.at[slot].set(new.astype(slots.dtype), mode="drop")
+    # The cache is written and read in its own shape (a reshape of it makes
+    # XLA:CPU copy all of it each call). An fp8 cache through a same-width
+    # uint8 view: XLA:CPU scatters fp8 by casting the whole array to f32
+    # and back. Either way the same bits land in the same places.
+    fp8 = jnp.dtype(kv_cache.dtype).itemsize == 1
+    store = (jax.lax.bitcast_convert_type(kv_cache, jnp.uint8) if fp8
+             else kv_cache)
 
+    def stored(x):
+        x = x.astype(kv_cache.dtype)
+        return jax.lax.bitcast_convert_type(x, jnp.uint8) if fp8 else x
+
+    def loaded(x):
+        return jax.lax.bitcast_convert_type(x, kv_cache.dtype) if fp8 else x
+
+    if update_kv_cache:
+        page = page_indices[seq * pages_per_seq + pos // page_size]
+        page = jnp.where(valid, page, num_pages)  # out of range: dropped
+        store = store.at[page, pos % page_size].set(stored(merge_kv(k, v)),
+                                                    mode="drop")
+
+    # Each sequence's context is gathered (and cast) once, not once per
+    # query token: a step's tokens are mostly one sequence's, or padding.
+    # Every token is scored against every sequence's context and the other
+    # sequences' scores are masked out: on CPU, [T, S, C] scores cost far
+    # less than a [T, C, K, H] context gathered per token.
     ctx = jnp.arange(pages_per_seq * page_size)
-    ctx_pages = page_indices[seq[:, None] * pages_per_seq + ctx // page_size]
-    kv = slots[ctx_pages * page_size + ctx % page_size]  # [T, C, 2K', H']
+    seq_pages = page_indices[:max_num_seqs * pages_per_seq].reshape(
+        max_num_seqs, pages_per_seq)
+    # [S, C, kv_head * 2 (+pad), head_dim]; k at even, v at odd.
+    kv = loaded(store[seq_pages]).reshape(max_num_seqs, ctx.size, -1,
+                                          padded_head_dim)
     # fp32 math: XLA:CPU has no bf16 x bf16 -> f32 dot.
     keys = kv[:, :, 0:2 * num_kv_heads:2, :head_dim].astype(jnp.float32)
     values = kv[:, :, 1:2 * num_kv_heads:2, :head_dim].astype(jnp.float32)
@@ -80,7 +100,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices,
         q = jnp.clip(q / q_scale, float(info.min),
                      float(info.max)).astype(kv_cache.dtype)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("tkgh,tckh->tkgc", qg.astype(jnp.float32), keys,
+    scores = jnp.einsum("tkgh,sckh->tkgsc", qg.astype(jnp.float32), keys,
                         preferred_element_type=jnp.float32) * sm_scale
     if k_scale is not None:
         scores = scores * k_scale
@@ -88,16 +108,21 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices,
         scores = scores * q_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
-    mask = (ctx[None, :] < kv_lens[seq][:, None]) & valid[:, None]
+    own = jnp.arange(max_num_seqs)[None, :] == seq[:, None]  # [T, S]
+    mask = (own[:, :, None] & (ctx[None, None, :] < kv_lens[None, :, None])
+            & valid[:, None, None])  # [T, S, C]
     if use_causal_mask:
-        mask &= ctx[None, :] <= pos[:, None]
+        mask &= ctx[None, None, :] <= pos[:, None, None]
         if sliding_window is not None:
-            mask &= pos[:, None] - ctx[None, :] < sliding_window
-    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask[:, None, None, :], probs, 0.0)
-    out = jnp.einsum("tkgc,tckh->tkgh", probs, values)
+            mask &= pos[:, None, None] - ctx[None, None, :] < sliding_window
+    mask = mask[:, None, None]  # [T, 1, 1, S, C]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    shape = scores.shape
+    probs = jax.nn.softmax(scores.reshape(*shape[:3], -1),
+                           axis=-1).reshape(shape)
+    probs = jnp.where(mask, probs, 0.0)
+    out = jnp.einsum("tkgsc,sckh->tkgh", probs, values)
     if v_scale is not None:
         out = out * v_scale
     out = out.reshape(num_tokens, num_heads, head_dim).astype(out_dtype)
-    return out, slots.reshape(kv_cache.shape)
+    return out, loaded(store)
