@@ -18,6 +18,10 @@ def _on_tpu() -> bool:
 
 
 def pytest_configure(config):
+    # Servers forked from a process that has imported `vllm serve`
+    # (cpu/zygote.py): ~33 s of imports saved per server.
+    from vllm_gemma_qat.cpu import server
+    server.FORK_FROM_ZYGOTE = True
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # A controller stopped by a signal (a timeout, Ctrl-C) takes its
         # workers with it, and they their servers (cpu/server.py).

@@ -25,7 +25,9 @@ def served(tmp_path_factory):
     with CpuServer(root / "model", "--structured-outputs-config",
                    '{"backend": "xgrammar", "disable_any_whitespace": true}',
                    "--prefix-cache-retention-interval", str(PAGE),
-                   log=root / "server.log") as server:
+                   # A fresh `vllm serve`, its engine core spawned: the
+                   # plugin must reach it through its entry point.
+                   log=root / "server.log", zygote=False) as server:
         yield server, hf, root / "model"
 
 

@@ -26,7 +26,10 @@ from vllm_gemma_qat.testing import tiny
 def test_holds_a_server(tmp_path):
     tiny.save_servable(tmp_path / "model", multimodal=False)
     with CpuServer(tmp_path / "model", log=tmp_path / "server.log") as server:
-        Path(os.environ["HELD_SERVER_PID"]).write_text(str(server.process.pid))
+        from vllm_gemma_qat.cpu import zygote
+        zygotes = [z.process.pid for z in zygote._ZYGOTES.values()]
+        Path(os.environ["HELD_SERVER_PID"]).write_text(
+            " ".join(map(str, [server.process.pid, *zygotes])))
         time.sleep(900)
 '''
 
@@ -43,6 +46,14 @@ def session_members(sid: int) -> list[int]:
         if int(fields[3]) == sid and fields[0] != "Z":
             out.append(int(stat.parent.name))
     return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2]
+    except OSError:
+        return False
+    return state.split()[0] != "Z"
 
 
 def wait_for(condition, seconds: float, step: float = 0.5):
@@ -70,22 +81,25 @@ def test_sigterm_to_pytest_leaves_no_server_process(tmp_path):
          f"--basetemp={tmp_path / 'run'}", f"--rootdir={tmp_path}"],
         env=env, cwd=tmp_path, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    server = None
+    server, zygotes = None, []
     try:
         assert wait_for(lambda: marker.exists() or run.poll() is not None,
                         600), "the server did not start in 600 s"
         assert marker.exists(), run.communicate()[0][-3000:]
-        server = int(marker.read_text())
+        server, *zygotes = map(int, marker.read_text().split())
+        assert zygotes  # the server was forked from a zygote
         # Up and serving: the API server and at least one engine core.
         assert len(session_members(server)) >= 2, session_members(server)
         os.kill(run.pid, signal.SIGTERM)
         run.wait(timeout=120)
         assert wait_for(lambda: not session_members(server), 30), \
             f"left running: {session_members(server)}"
+        # Nor the zygote it was forked from (cpu/zygote.py).
+        assert wait_for(lambda: not any(map(alive, zygotes)), 30), zygotes
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
             run.wait()
         if server:
-            for pid in session_members(server):
+            for pid in session_members(server) + list(filter(alive, zygotes)):
                 os.kill(pid, signal.SIGKILL)

@@ -25,6 +25,10 @@ from vllm_gemma_qat.cpu import CPU_MODE_ENV
 # token; longer prompts are prefilled in chunks (vLLM's chunked prefill).
 STEP_TOKENS = 32
 
+# Fork servers from a process that has imported `vllm serve` already
+# (cpu/zygote.py): the test suite turns this on for its own process.
+FORK_FROM_ZYGOTE = False
+
 
 # Resolved here, not in the forked child (which must not load anything).
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -120,7 +124,8 @@ class CpuServer:
     def __init__(self, model: str | Path, *extra_args: str, log: Path,
                  port: int | None = None, startup_timeout: float = 600,
                  devices: int = 1, step_tokens: int | None = STEP_TOKENS,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None,
+                 zygote: bool | None = None):
         self.model, self.log = str(model), Path(log)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -137,7 +142,10 @@ class CpuServer:
         self.startup_timeout = startup_timeout
         self.devices = devices  # CPU devices JAX offers (for TP / DP > 1)
         self.env = env or {}  # added to the server's environment
+        # None: FORK_FROM_ZYGOTE decides; False: a fresh `vllm serve`.
+        self.zygote = FORK_FROM_ZYGOTE if zygote is None else zygote
         self.process = None
+        self._log_file = None
 
     def __enter__(self) -> "CpuServer":
         env = dict(os.environ, **{CPU_MODE_ENV: "1", "JAX_PLATFORMS": "cpu"},
@@ -152,15 +160,18 @@ class CpuServer:
                                 f"platform_device_count={self.devices}").strip()
         command = [str(Path(sys.executable).with_name("vllm")), "serve",
                    self.model, *self.args]
-        self._log_file = open(self.log, "w")
         _stop_live_servers_on_signals()
-        self.process = subprocess.Popen(command, env=env, stdout=self._log_file,
-                                        stderr=subprocess.STDOUT,
-                                        start_new_session=True,
-                                        preexec_fn=functools.partial(
-                                            die_with_parent, os.getpid()))
-        _LIVE.add(self)
         started = time.monotonic()
+        if self.zygote:
+            from vllm_gemma_qat.cpu import zygote
+            self.process = zygote.start(command, env, self.log)
+        else:
+            self._log_file = open(self.log, "w")
+            self.process = subprocess.Popen(
+                command, env=env, stdout=self._log_file,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        _LIVE.add(self)
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
             if self.process.poll() is not None:
@@ -192,7 +203,8 @@ class CpuServer:
         # Engine cores left by an API server that died first.
         self._signal_group(signal.SIGKILL)
         _LIVE.discard(self)
-        self._log_file.close()
+        if self._log_file:
+            self._log_file.close()
         record_timing("server shutdown", time.monotonic() - stopping,
                       model=Path(self.model).name)
 
