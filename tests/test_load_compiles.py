@@ -69,6 +69,10 @@ class _Load(list):
 
 
 def _load(path, load_format):
+    # From empty in-memory caches: a program an earlier test in this
+    # worker compiled (which one ran before depends on pytest-xdist's
+    # schedule) would otherwise be a cache hit, missing from the count.
+    jax.clear_caches()
     clears = _Clears()
     start = time.perf_counter()
     with CompileLog(programs=_Load(clears)) as log:
@@ -126,7 +130,9 @@ def _stock_recompiles_after_each_clear(path, log, clears, monkeypatch):
     monkeypatch.setattr(jax, "clear_caches", jax.clear_caches.__wrapped__)
     stock, stock_clears = _load(path, "gemma_qat")
     once = collections.Counter(log.programs)
-    assert stock_clears > clears and stock.distinct == log.distinct
+    assert stock_clears > clears
+    assert set(stock.programs) == set(log.programs), \
+        set(stock.programs) ^ set(log.programs)
     assert all(between <= once
                for between in stock.programs.between_clears())
     assert stock.programs.compiled_again_after_a_clear()
