@@ -54,7 +54,7 @@ def start(command: list[str], env: dict[str, str],
     k = key(env)
     zygote = _ZYGOTES.pop(k, None)
     if zygote is None or zygote.process.poll() is not None:
-        idle = [k for k, z in _ZYGOTES.items() if not z.serving()]
+        idle = [other for other, z in _ZYGOTES.items() if not z.serving()]
         while idle and len(_ZYGOTES) >= _MOST:  # never one with a server
             _ZYGOTES.pop(idle.pop(0)).stop()
         zygote = Zygote(env)
@@ -164,8 +164,10 @@ def _become_server(request: dict, preamble: Path, own_fds) -> None:
 
     from vllm_gemma_qat.cpu.server import die_with_parent
     os.setsid()
-    for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, signal.SIG_DFL)
+    # As a fresh interpreter has them.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     die_with_parent(os.getppid())
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.write(log, preamble.read_bytes())
