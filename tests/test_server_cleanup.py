@@ -103,3 +103,20 @@ def test_sigterm_to_pytest_leaves_no_server_process(tmp_path):
         if server:
             for pid in session_members(server) + list(filter(alive, zygotes)):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_forked_server_gets_what_its_imports_add_to_its_environment():
+    # As tpu-inference's env_override: XLA_FLAGS prepended to, others set.
+    from vllm_gemma_qat.cpu.zygote import _as_imported, _imports_changed
+    before = {"XLA_FLAGS": "--a", "VLLM_X": "0", "KEEP": "k"}
+    after = {"XLA_FLAGS": "--avx2 --a", "VLLM_X": "1", "LIBTPU_INIT_ARGS": "-l",
+             "KEEP": "k"}
+    imported = _imports_changed(before, after)
+    server = {"XLA_FLAGS": "--devices=4", "VLLM_X": "0", "OWN": "o"}
+    assert _as_imported(server, imported) == {
+        "XLA_FLAGS": "--avx2 --devices=4", "VLLM_X": "1",
+        "LIBTPU_INIT_ARGS": "-l", "OWN": "o"}
+    # A zygote started without XLA_FLAGS: the server's own kept after it.
+    imported = _imports_changed({}, {"XLA_FLAGS": "--avx2 "})
+    assert _as_imported({"XLA_FLAGS": "--d"}, imported) == {
+        "XLA_FLAGS": "--avx2 --d"}

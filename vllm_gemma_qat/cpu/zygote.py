@@ -16,7 +16,10 @@ load, so tests/test_serve_e2e.py keeps the real spawn.
 
 A zygote serves one environment: one whose values differ (a kernel choice,
 a bug switch, image limits) gets its own zygote. XLA_FLAGS is left out of
-that key: JAX reads it when its backend starts, in the server.
+that key: JAX reads it when its backend starts, in the server. What
+vLLM's and tpu-inference's imports did to the zygote's environment
+(tpu-inference prepends `--xla_cpu_max_isa=AVX2` to XLA_FLAGS, among
+others) is done again to each server's (`_as_imported`).
 The output of the zygote's imports is written at the top of every server's
 log, where a fresh process would have written it.
 """
@@ -33,12 +36,15 @@ import tempfile
 import time
 from pathlib import Path
 
-# Read when a backend starts or a request arrives, not on import.
-_NOT_KEYED = ("XLA_FLAGS", "PYTEST_CURRENT_TEST")
-_KEYED_PREFIXES = ("VLLM", "JAX", "TPU", "XLA", "HF_", "TRANSFORMERS",
-                   "TOKENIZERS", "MIN_TOKEN_BUCKET", "SKIP_JAX", "OMP_",
-                   "PYTHON", "LIBTPU", "NEW_MODEL_DESIGN", "MODEL_IMPL")
+# Read when JAX's backend starts (in the server), not on import.
+_NOT_KEYED = ("XLA_FLAGS", )
+_KEYED_PREFIXES = ("VLLM", "JAX", "TPU", "XLA", "HF_", "HOME", "XDG_",
+                   "TMPDIR", "TRANSFORMERS", "TOKENIZERS", "MIN_TOKEN_BUCKET",
+                   "SKIP_JAX", "OMP_", "MKL", "ONEDNN", "TORCH", "PYTORCH",
+                   "TRITON", "TILELANG", "LD_LIBRARY_PATH", "PYTHON",
+                   "LIBTPU", "NEW_MODEL_DESIGN", "MODEL_IMPL")
 _ZYGOTES: dict[tuple, "Zygote"] = {}
+_OWNER = os.getpid()  # not a child forked from this process
 _MOST = 2  # zygotes kept per process (each holds ~1.5 GB of imports)
 
 
@@ -54,6 +60,8 @@ def start(command: list[str], env: dict[str, str],
     k = key(env)
     zygote = _ZYGOTES.pop(k, None)
     if zygote is None or zygote.process.poll() is not None:
+        if zygote is not None:
+            zygote.stop()
         idle = [other for other, z in _ZYGOTES.items() if not z.serving()]
         while idle and len(_ZYGOTES) >= _MOST:  # never one with a server
             _ZYGOTES.pop(idle.pop(0)).stop()
@@ -64,15 +72,16 @@ def start(command: list[str], env: dict[str, str],
 
 @atexit.register
 def stop_all() -> None:
-    while _ZYGOTES:
+    while _ZYGOTES and os.getpid() == _OWNER:
         _ZYGOTES.popitem()[1].stop()
 
 
 class Zygote:
     def __init__(self, env: dict[str, str]):
         from vllm_gemma_qat.cpu.server import die_with_parent
-        self.preamble = Path(tempfile.mkstemp(prefix="vllm-zygote-",
-                                              suffix=".log")[1])
+        fd, preamble = tempfile.mkstemp(prefix="vllm-zygote-", suffix=".log")
+        os.close(fd)
+        self.preamble = Path(preamble)
         self.process = subprocess.Popen(
             [sys.executable, "-m", __name__, str(self.preamble)],
             env=dict(env, VLLM_WORKER_MULTIPROC_METHOD="fork"),
@@ -80,6 +89,7 @@ class Zygote:
             start_new_session=True,
             preexec_fn=functools.partial(die_with_parent, os.getpid()))
         self.servers: list[ForkedServer] = []
+        self.busy = False
         if self._read() != {"ready": True}:
             raise RuntimeError(f"the server zygote did not start; see "
                                f"{self.preamble}")
@@ -92,12 +102,17 @@ class Zygote:
         return json.loads(line)
 
     def ask(self, **request) -> dict:
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        return self._read()
+        self.busy = True  # a signal handler's poll must not interleave
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            return self._read()
+        finally:
+            self.busy = False
 
     def fork(self, command, env, log) -> "ForkedServer":
         reply = self.ask(op="fork", argv=command, log=str(log),
+                         cwd=os.getcwd(),
                          env=dict(env, VLLM_WORKER_MULTIPROC_METHOD="fork"))
         server = ForkedServer(reply["pid"], self)
         self.servers.append(server)
@@ -115,6 +130,11 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            try:
+                pipe.close()
+            except OSError:  # a write the dead zygote never read
+                pass
         self.preamble.unlink(missing_ok=True)
 
 
@@ -126,11 +146,19 @@ class ForkedServer:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            if self.zygote.process.poll() is not None:
-                self.returncode = -signal.SIGKILL  # reaped with the zygote
-            else:
-                self.returncode = self.zygote.ask(
-                    op="poll", pid=self.pid)["returncode"]
+            if self.zygote.process.poll() is None and not self.zygote.busy:
+                try:
+                    self.returncode = self.zygote.ask(
+                        op="poll", pid=self.pid)["returncode"]
+                    return self.returncode
+                except (OSError, RuntimeError):  # the zygote just died
+                    pass
+            # Not the zygote's to say: whether the process still exists
+            # (an orphan is reaped by init; its exit status is lost).
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self.returncode = -signal.SIGKILL
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -158,8 +186,23 @@ def _preload() -> None:
     import vllm.v1.engine.core  # noqa: F401
 
 
-def _become_server(request: dict, preamble: Path, own_fds) -> None:
+def _become_server(request: dict, preamble: Path, zygote: int,
+                   imported: dict, own_fds) -> None:
     """In the forked child: `vllm serve ...` as if just started."""
+    code = 1
+    try:
+        code = _run_server(request, preamble, zygote, imported, own_fds)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _run_server(request: dict, preamble: Path, zygote: int, imported: dict,
+                own_fds) -> int:
     import runpy
 
     from vllm_gemma_qat.cpu.server import die_with_parent
@@ -168,7 +211,7 @@ def _become_server(request: dict, preamble: Path, own_fds) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    die_with_parent(os.getppid())
+    die_with_parent(zygote)
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.write(log, preamble.read_bytes())
     null = os.open(os.devnull, os.O_RDONLY)
@@ -178,21 +221,42 @@ def _become_server(request: dict, preamble: Path, own_fds) -> None:
     for fd in (log, null, *own_fds):  # the zygote's pipes among them
         os.close(fd)
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(_as_imported(request["env"], imported))
+    os.chdir(request["cwd"])
     sys.argv = list(request["argv"])
-    code = 0
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (
-            0 if stop.code is None else 1)
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _imports_changed(before: dict, after: dict) -> dict:
+    """What importing vLLM and tpu-inference did to the environment:
+    name -> (value before, value after)."""
+    return {k: (before.get(k), after.get(k)) for k in before.keys() | after.keys()
+            if before.get(k) != after.get(k)}
+
+
+def _as_imported(env: dict, imported: dict) -> dict:
+    """`env` as a fresh server's imports leave it: a value they prepend to
+    (tpu-inference's XLA_FLAGS) prepended to this server's own, any other
+    set as they set it (the zygote's environment equals the server's in
+    every keyed name)."""
+    env = dict(env)
+    for name, (before, after) in imported.items():
+        if after is None:
+            env.pop(name, None)
+        elif before and after.endswith(before) or not before and \
+                name in _NOT_KEYED:
+            env[name] = after[:len(after) - len(before or "")] + \
+                env.get(name, "")
+        else:
+            env[name] = after
+    return env
 
 
 def _serve(preamble: Path) -> None:
@@ -201,7 +265,9 @@ def _serve(preamble: Path) -> None:
     out = os.open(preamble, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(out, 1)
     os.dup2(out, 2)
+    before = dict(os.environ)
     _preload()
+    imported = _imports_changed(before, dict(os.environ))
     sys.stdout.flush()
     sys.stderr.flush()
     exited: dict[int, int] = {}
@@ -224,9 +290,10 @@ def _serve(preamble: Path) -> None:
         if request["op"] == "fork":
             sys.stdout.flush()
             sys.stderr.flush()
+            zygote = os.getpid()
             pid = os.fork()
             if pid == 0:
-                _become_server(request, preamble, (
+                _become_server(request, preamble, zygote, imported, (
                     requests.fileno(), replies.fileno(), out))
             reply(pid=pid)
         elif request["op"] == "poll":
