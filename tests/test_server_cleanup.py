@@ -28,8 +28,10 @@ def test_holds_a_server(tmp_path):
     with CpuServer(tmp_path / "model", log=tmp_path / "server.log") as server:
         from vllm_gemma_qat.cpu import zygote
         zygotes = [z.process.pid for z in zygote._ZYGOTES.values()]
-        Path(os.environ["HELD_SERVER_PID"]).write_text(
+        marker = Path(os.environ["HELD_SERVER_PID"])
+        marker.with_suffix(".tmp").write_text(
             " ".join(map(str, [server.process.pid, *zygotes])))
+        marker.with_suffix(".tmp").replace(marker)  # never seen half written
         time.sleep(900)
 '''
 
