@@ -1,7 +1,7 @@
 """The runtime substitutions, declared once: every target of the fixes
 (`vllm_gemma_qat.fixes`: kv-share, image steps, preemption, compile-once,
 the drafter's load config and quantization, sliding-window KV, discarded
-samples under speculation, request checks),
+samples under speculation, request checks, text-only checkpoints),
 of preflight and of CPU mode exists in the installed tpu-inference; a
 missing target is named, never silently added; CPU mode refuses TPU
 machines."""
@@ -11,12 +11,13 @@ from vllm_gemma_qat import cpu, fixes, preflight, substitute
 from vllm_gemma_qat.fixes import (compile_once, discarded_samples,
                                   drafter_load, drafter_quantization,
                                   image_steps, kv_share, preemption,
-                                  request_checks, sliding_window)
+                                  request_checks, sliding_window, text_only)
 from vllm_gemma_qat.substitute import MissingTarget, Substitution
 
 NAMES = ["kv_share", "image_steps", "preemption", "compile_once",
          "drafter_load", "drafter_quantization", "sliding_window",
-         "discarded_samples", "request_checks", "preflight", "CPU kernels", "CPU runtime"]
+         "discarded_samples", "request_checks", "text_only", "preflight",
+         "CPU kernels", "CPU runtime"]
 
 
 def tables():
@@ -30,6 +31,7 @@ def tables():
             + sliding_window.model_substitutions(),
             "discarded_samples": discarded_samples.substitutions(),
             "request_checks": request_checks.substitutions(),
+            "text_only": text_only.substitutions(),
             "preflight": preflight.substitutions(),
             "CPU kernels": cpu.kernel_substitutions(),
             "CPU runtime": cpu.runtime_substitutions()}

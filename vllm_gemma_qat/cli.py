@@ -208,13 +208,17 @@ def _plan_inputs(target: str, int4_export_ok: bool = False):
     if p.is_file():
         config = checkpoint.read_config(p.parent) if p.name == "config.json" \
             else _load_json(p)
-        geometry.architecture_of(config)
+        errors = geometry.config_errors(config)
+        if errors:
+            raise CheckpointError(f"{p}: {errors[0]}")
         geo = geometry.Geometry.from_text_config(geometry.text_config_of(config))
         tensors = {n: (2 * checkpoint.numel(s), checkpoint.numel(s))
                    for n, s in geo.expected("").items()}
         return (geo, plan.Weights(tensors), "bf16 assumed",
                 "config (language model only)", config)
     ckpt, report = _open(target, remote_ok=True)
+    if report.config_errors:
+        raise CheckpointError(f"{ckpt.path}: {report.config_errors[0]}")
     if report.export_kind == "qat-w4a16-ct" and not int4_export_ok:
         raise CheckpointError(
             f"{target}: plan takes a bf16 export (regular or QAT bf16); pass "
@@ -279,7 +283,8 @@ def _assistant_bytes(target: str, config: dict, name: str,
 
 
 def cmd_plan(args) -> int:
-    geo, weights, dtypes, source, config = _plan_inputs(args.target)
+    geo, weights, dtypes, source, config = _plan_inputs(
+        args.target, int4_export_ok=args.weights == "int4")
     if args.assistant:
         helper_bytes, helper_tensors, helper_dtypes = _assistant_bytes(
             args.target, config, args.assistant, args.dtype)

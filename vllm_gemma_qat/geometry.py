@@ -248,11 +248,14 @@ class CheckpointReport:
     quantized: list[str]
     # Disagreements between those and config.json's quantization_config.
     inconsistent: list[str]
+    # What config.json lacks for its architecture to build.
+    config_errors: list[str] = field(default_factory=list)
 
     @property
     def loads_with_gemma_qat(self) -> bool:
         return not (self.missing or self.unexpected or self.wrong_shape
-                    or self.shared_kv_mismatch or self.inconsistent)
+                    or self.shared_kv_mismatch or self.inconsistent
+                    or self.config_errors)
 
     @property
     def shared_kv_mismatch(self) -> bool:
@@ -267,7 +270,7 @@ class CheckpointReport:
             self.geometry.skippable(self.prefix))
 
     def errors(self) -> list[str]:
-        out = []
+        out = list(self.config_errors)
         g = self.geometry
         if self.shared_kv_mismatch:
             out.append(
@@ -322,7 +325,21 @@ def check(ckpt: Checkpoint) -> CheckpointReport:
         sorted(found.unexpected), found.wrong_shape, sorted(found.skipped),
         found.lm_tensors, _infer_shared_kv(ckpt.tensors, prefix, geo.num_layers),
         quantized,
-        _quantization_mismatches(ckpt.config, linears, set(found.packed)))
+        _quantization_mismatches(ckpt.config, linears, set(found.packed)),
+        config_errors(ckpt.config))
+
+
+def config_errors(config: dict) -> list[str]:
+    """tpu-inference builds Gemma4ForConditionalGeneration's vision tower
+    from `vision_config` (a null one fails in the engine: `'NoneType' object
+    has no attribute 'patch_size'`)."""
+    if architecture_of(config) == "Gemma4ForConditionalGeneration" and \
+            not config.get("vision_config"):
+        return ["config.json: vision_config is null, and architectures "
+                "Gemma4ForConditionalGeneration builds a vision tower from "
+                "it; a checkpoint without towers declares architectures "
+                '["Gemma4ForCausalLM"]']
+    return []
 
 
 @dataclass

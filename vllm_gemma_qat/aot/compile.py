@@ -568,7 +568,7 @@ def _build_and_compile(vllm_config, desc, topo: Topology, tp, p, p_lm, geo,
         # The KV cache tpu-inference allocates: every block of the budget
         # (vLLM gives the KV cache all that is left), in the layout
         # gemma_qat declares (fixes/sliding_window.py).
-        text = model_config.hf_config.text_config
+        text = model_config.hf_text_config
         share = compute_kv_share_map(text)
         cache_dtype = cache_config.cache_dtype
         cache_dtype = to_jax_dtype(model_config.dtype if cache_dtype == "auto"

@@ -55,7 +55,7 @@ class PagedRunner:
         from tpu_inference.runner.utils import get_token_paddings
         from tpu_inference.utils import get_layer_kv_params, get_padded_head_dim
         self.model, self.mesh = model, mesh
-        text = config.model_config.hf_config.text_config
+        text = config.model_config.hf_text_config
         share = compute_kv_share_map(text)
         own = [i for i in range(text.num_hidden_layers) if i not in share]
         self.num_pages = MAX_MODEL_LEN // PAGE_SIZE

@@ -33,13 +33,21 @@ def _text_config(hidden, intermediate, layers, shared, kv_heads, block,
     }
 
 
+# The multimodal architecture builds its vision tower from vision_config:
+# the fields the header checks and plan read (the tower's width, the soft
+# tokens per image).
+_VISION_CONFIG = {"model_type": "gemma4_vision", "hidden_size": 768,
+                  "default_output_length": 280}
+
 CONFIGS = {
     "e2b": {"architectures": ["Gemma4ForConditionalGeneration"],
             "model_type": "gemma4", "tie_word_embeddings": True,
-            "text_config": _text_config(1536, 6144, 35, 20, 1, (4, 1), True)},
+            "text_config": _text_config(1536, 6144, 35, 20, 1, (4, 1), True),
+            "vision_config": _VISION_CONFIG},
     "e4b": {"architectures": ["Gemma4ForConditionalGeneration"],
             "model_type": "gemma4", "tie_word_embeddings": True,
-            "text_config": _text_config(2560, 10240, 42, 18, 2, (5, 1), False)},
+            "text_config": _text_config(2560, 10240, 42, 18, 2, (5, 1), False),
+            "vision_config": _VISION_CONFIG},
 }
 
 # A few tower tensors, with their own k_proj: shared-layer filters must not

@@ -95,17 +95,18 @@ def build_model(geometry: str = "e2b", multimodal: bool = True, seed: int = 0):
 
 
 def save_checkpoint(model, path: str | Path, layout: str = "qat",
-                    dtype=None) -> Path:
+                    dtype=None, bare: bool = False) -> Path:
     """Write `model` as a safetensors checkpoint in the QAT or regular layout.
 
-    A text-only model is written the way tpu-inference's JAX
-    Gemma4ForCausalLM reads it: a `gemma4` config holding the text config,
-    tensors under `model.language_model.`.
+    A text-only model is written the way the text-only exports of Gemma 4
+    are: a `gemma4` config holding the text config, tensors under
+    `model.language_model.`; with `bare`, as transformers' `save_pretrained`
+    writes it: a `gemma4_text` config, tensors under `model.`.
     """
     import torch
     from safetensors.torch import load_file, save_file
 
-    from vllm_gemma_qat.geometry import text_config_of
+    from vllm_gemma_qat.geometry import language_model_prefix, text_config_of
     if layout not in ("qat", "regular"):
         raise ValueError(f"unknown layout {layout!r}")
     path = Path(path)
@@ -113,13 +114,16 @@ def save_checkpoint(model, path: str | Path, layout: str = "qat",
         model = model.to(dtype)
     model.save_pretrained(path, safe_serialization=True)
     text_only = model.config.model_type == "gemma4_text"
-    if text_only:
+    if bare and not text_only:
+        raise ValueError("bare: a text-only (gemma4_text) model only")
+    wrap = text_only and not bare
+    if wrap:
         _wrap_text_config(path)
-    if layout == "qat" and not text_only:
+    if layout == "qat" and not wrap:
         return path
     shard = path / "model.safetensors"
     tensors = load_file(shard)
-    if text_only:
+    if wrap:
         tensors = {"model.language_model." + n[len("model."):]: t
                    for n, t in tensors.items()}
     if layout == "regular":
@@ -127,7 +131,7 @@ def save_checkpoint(model, path: str | Path, layout: str = "qat",
         # never read, so random ones of the right shape are faithful enough.
         text = text_config_of(json.loads((path / "config.json").read_text()))
         gen = torch.Generator().manual_seed(1234)
-        prefix = "model.language_model."
+        prefix = language_model_prefix(tensors)
         for i, (kv_heads, head_dim) in _shared_layer_kv_dims(text).items():
             p = f"{prefix}layers.{i}.self_attn."
             shape = (kv_heads * head_dim, text["hidden_size"])
@@ -211,8 +215,12 @@ def _checkpoint_module_name(model, name: str) -> str:
     return name
 
 
+def _bare_name(name: str) -> str:
+    return name.replace("model.language_model.", "model.", 1)
+
+
 def save_int4_checkpoint(model, path: str | Path, grid: dict, form: str,
-                         dtype=None, ignore=()) -> Path:
+                         dtype=None, ignore=(), bare: bool = False) -> Path:
     """An int4 QAT export of `model` (after `put_on_int4_grid`):
 
     - "q4_0": the `-qat-q4_0-unquantized` form, grid linears as bf16 values;
@@ -222,7 +230,8 @@ def save_int4_checkpoint(model, path: str | Path, grid: dict, form: str,
       pack-quantized, the others stay bf16.
 
     Other tensors are saved in `dtype` (the real exports: bf16; None keeps
-    fp32, which lets tests compare logits tightly).
+    fp32, which lets tests compare logits tightly). `bare`: a text-only
+    model as transformers saves it (see `save_checkpoint`).
     """
     import torch
     from compressed_tensors.compressors.pack_quantized.base import \
@@ -235,7 +244,9 @@ def save_int4_checkpoint(model, path: str | Path, grid: dict, form: str,
     from vllm_gemma_qat import quantization
     if form not in ("q4_0", "w4a16"):
         raise ValueError(f"unknown int4 form {form!r}")
-    path = save_checkpoint(model, path, layout="qat", dtype=dtype)
+    path = save_checkpoint(model, path, layout="qat", dtype=dtype, bare=bare)
+    if bare:
+        grid = {_bare_name(module): qd for module, qd in grid.items()}
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=True,
                                strategy="group",
                                group_size=quantization.GROUP_SIZE)
@@ -318,22 +329,24 @@ def byte_level_tokenizer(tokens_at: dict[int, str] | None = None, **special):
 
 
 def save_servable(path: str | Path, geometry: str = "e2b",
-                  multimodal: bool = True, seed: int = 0):
+                  multimodal: bool = True, seed: int = 0, bare: bool = False):
     """A model directory `vllm serve` accepts: tiny QAT checkpoint plus
-    tokenizer. Returns the transformers model it was written from."""
+    tokenizer (`bare`: see `save_checkpoint`). Returns the transformers
+    model it was written from."""
     model = build_model(geometry, multimodal, seed)
-    save_checkpoint(model, path, layout="qat")
+    save_checkpoint(model, path, layout="qat", bare=bare)
     save_tokenizer(path)
     return model
 
 
 def save_servable_int4(path: str | Path, form: str, geometry: str = "e2b",
-                       multimodal: bool = True, seed: int = 0):
+                       multimodal: bool = True, seed: int = 0,
+                       bare: bool = False):
     """`save_servable` for an int4 QAT export ("w4a16" or "q4_0", see
     `save_int4_checkpoint`). Returns the transformers model holding the
     exact dequantized weights."""
     model = build_model(geometry, multimodal, seed)
     grid = put_on_int4_grid(model, seed)
-    save_int4_checkpoint(model, path, grid, form)
+    save_int4_checkpoint(model, path, grid, form, bare=bare)
     save_tokenizer(path)
     return model
