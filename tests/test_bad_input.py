@@ -3,10 +3,10 @@ by the real load path (vLLM config, tpu-inference's get_model, our loader)
 before anything could be served. The other header-level cases are unit tests
 of checkpoint.py / geometry.py (test_checkpoint.py, test_geometry.py)."""
 import json
-import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from vllm_gemma_qat.checkpoint import CheckpointError
-from vllm_gemma_qat.cpu.env import CPU_ENV
+from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import runner
 
 
@@ -58,13 +58,12 @@ def test_vllm_serve_fails_fast_with_the_named_error(qat_copy):
 
 
 def _vllm_serve(model, *args):
-    env = dict(os.environ, **CPU_ENV, VLLM_GEMMA_QAT_CPU_MODE="1")
-    vllm = Path(sys.executable).with_name("vllm")
+    """`vllm serve MODEL --load-format gemma_qat ARGS` in CPU mode, which
+    must stop before serving: exit code and output (forked from the
+    suite's zygote: a refusal needs no fresh import of vLLM)."""
     start = time.monotonic()
-    out = subprocess.run([vllm, "serve", model, "--load-format", "gemma_qat",
-                          "--max-model-len", "256", *args], env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         timeout=600)
+    log = Path(tempfile.mkstemp(suffix=".log", dir=Path(model).parent)[1])
+    out = CpuServer(model, *args, log=log).refusal()
     print(f"vllm serve ended after {time.monotonic() - start:.1f} s")
     return out
 

@@ -2,7 +2,8 @@
 one cache clear per weight load; weights in the model's dtype; the
 speculative drafter's load config and quantization; sliding-window KV,
 #3220; no async placeholder for discarded samples under speculation;
-prompt_logprobs refused where the runner cannot serve them):
+prompt_logprobs refused where the runner cannot serve them; text-only
+checkpoints as transformers saves them):
 applied to a copy of the installed (pinned) tpu-inference, stock `auto`
 loads both layouts with no plugin, each patch's own tests pass, and the
 plugin steps aside."""
@@ -61,6 +62,10 @@ NEW_TEST_FILES = {
     "0010-Platform-Refuse-prompt_logprobs-the-runner-cannot-serve.patch": (
         "tests/platforms/test_tpu_platform_prompt_logprobs.py",
         ("tpu_inference/platforms/tpu_platform.py", ), 4),
+    "0011-Gemma4-Build-and-load-text-only-checkpoints-saved-by-transformers"
+    ".patch": (
+        "tests/models/jax/test_gemma4_text_only.py",
+        ("tpu_inference/models/jax/gemma4.py", ), 4),
 }
 
 
@@ -128,7 +133,7 @@ def test_patch_touches_what_it_should(patched):
 
 def test_stock_auto_loads_both_layouts_with_patch_and_no_plugin(
         patched, tiny_models):
-    paths = []
+    paths = [_bare_text_checkpoint(patched, tiny_models)]  # 0011
     for geometry, multimodal in (("e2b", True), ("e4b", False)):
         for layout in ("qat", "regular"):
             src = tiny_models.checkpoint(geometry, multimodal, layout)
@@ -140,7 +145,8 @@ def test_stock_auto_loads_both_layouts_with_patch_and_no_plugin(
     out = _run([ROOT / "tests" / "upstream_check.py", "stock", *paths], patched,
                VLLM_PLUGINS="register_layers")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    assert out.stdout.count("ok stock auto") == 4, out.stdout
+    assert out.stdout.count("ok stock auto") == 5, out.stdout
+    assert "ok stock auto e4b bare" in out.stdout
     assert "ok stock bfloat16 from float32 e4b-regular" in out.stdout  # 0005
 
 
@@ -156,13 +162,26 @@ def test_patch_own_tests_pass_against_patched_copy(patched):
     assert re.search(r"^2 passed\b", out.stdout, re.M), out.stdout[-2000:]
 
 
+def _bare_text_checkpoint(patched, tiny_models):
+    """The E4B-like text model as transformers saves it (0011)."""
+    from vllm_gemma_qat.testing import tiny
+    dst = patched.parent / "e4b-bare"
+    if not dst.exists():
+        tiny.save_checkpoint(tiny_models.model("e4b", False), dst, bare=True)
+    return dst
+
+
 def test_plugin_detects_fixed_tpu_inference_and_still_loads(patched, tiny_models):
     dst = patched.parent / "e2b-qat"
     if not dst.exists():
         shutil.copytree(tiny_models.checkpoint("e2b", True, "qat"), dst)
-    out = _run([ROOT / "tests" / "upstream_check.py", "plugin", dst], patched)
+    # fixes/text_only.py over 0011: both read a bare config the same way.
+    bare = _bare_text_checkpoint(patched, tiny_models)
+    out = _run([ROOT / "tests" / "upstream_check.py", "plugin", dst, bare],
+               patched)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "ok plugin gemma_qat e2b qat" in out.stdout
+    assert "ok plugin gemma_qat e4b bare" in out.stdout
     assert "tpu-inference already builds no K/V" in out.stdout + out.stderr
     # 0008: the plugin's sliding-window fix sees the packing and steps
     # aside (it would pack the rows a second time).

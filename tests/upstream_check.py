@@ -2,7 +2,10 @@
 
     python upstream_check.py stock <ckpt>...   # stock `auto`, plugin not loaded
                                                # (+ the last one in bfloat16)
-    python upstream_check.py plugin <ckpt>     # gemma_qat with the plugin
+    python upstream_check.py plugin <ckpt>...  # gemma_qat with the plugin
+
+A checkpoint directory is named GEOMETRY-LAYOUT (tests/test_upstream_patch.py);
+layout "bare": QAT, the text-only model as transformers saves it.
 
 Prints one line per checkpoint; exits non-zero on the first failure.
 """
@@ -28,7 +31,7 @@ def main(mode, paths):
         multimodal = geometry == "e2b"
         load_format = "gemma_qat" if mode == "plugin" else "auto"
         model, config, mesh = runner.load(path, load_format)
-        text = config.model_config.hf_config.text_config
+        text = config.model_config.hf_text_config
         from tpu_inference.models.common.kv_share import compute_kv_share_map
         lm = (model.model.model.language_model if multimodal else
               model.model.language_model)

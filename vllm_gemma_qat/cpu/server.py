@@ -149,6 +149,54 @@ class CpuServer:
         self._log_file = None
 
     def __enter__(self) -> "CpuServer":
+        started = self._launch()
+        deadline = time.time() + self.startup_timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                self.__exit__()  # its engine cores may still run
+                raise RuntimeError(f"vllm serve exited with "
+                                   f"{self.process.returncode}; see {self.log}")
+            if self._healthy():
+                record_timing("server start-up", time.monotonic() - started,
+                              model=Path(self.model).name)
+                return self
+            time.sleep(0.25)
+        self.__exit__()
+        raise TimeoutError(f"vllm serve not up after {self.startup_timeout} s; "
+                           f"see {self.log}")
+
+    def refusal(self) -> subprocess.CompletedProcess:
+        """Run a `vllm serve` that must stop before serving (a refused
+        checkpoint or flag): its exit code and its output. One that comes
+        up is stopped, and is an AssertionError."""
+        self._launch()
+        deadline = time.time() + self.startup_timeout
+        try:
+            while self.process.poll() is None:
+                if self._healthy():
+                    raise AssertionError(f"vllm serve {self.model} is serving; "
+                                         f"see {self.log}")
+                if time.time() > deadline:
+                    raise TimeoutError(f"vllm serve still running after "
+                                       f"{self.startup_timeout} s; see "
+                                       f"{self.log}")
+                time.sleep(0.25)
+        finally:
+            self.__exit__()
+        return subprocess.CompletedProcess(
+            self.command, self.process.returncode,
+            self.log.read_text(errors="replace"))
+
+    def _healthy(self) -> bool:
+        try:
+            urllib.request.urlopen(self.url + "/health", timeout=2)
+            return True
+        except OSError:
+            return False
+
+    def _launch(self) -> float:
+        """Start `vllm serve` (forked from a zygote or spawned); returns
+        when it started (time.monotonic)."""
         env = dict(os.environ, **{CPU_MODE_ENV: "1", "JAX_PLATFORMS": "cpu"},
                    **self.env)
         # tpu-inference compiles every padding bucket at start-up (~35 s on
@@ -159,36 +207,21 @@ class CpuServer:
         if self.devices > 1:
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_"
                                 f"platform_device_count={self.devices}").strip()
-        command = [str(Path(sys.executable).with_name("vllm")), "serve",
-                   self.model, *self.args]
+        self.command = [str(Path(sys.executable).with_name("vllm")), "serve",
+                        self.model, *self.args]
         _stop_live_servers_on_signals()
         started = time.monotonic()
         if self.zygote:
             from vllm_gemma_qat.cpu import zygote
-            self.process = zygote.start(command, env, self.log)
+            self.process = zygote.start(self.command, env, self.log)
         else:
             self._log_file = open(self.log, "w")
             self.process = subprocess.Popen(
-                command, env=env, stdout=self._log_file,
+                self.command, env=env, stdout=self._log_file,
                 stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=functools.partial(die_with_parent, os.getpid()))
         _LIVE.add(self)
-        deadline = time.time() + self.startup_timeout
-        while time.time() < deadline:
-            if self.process.poll() is not None:
-                self.__exit__()  # its engine cores may still run
-                raise RuntimeError(f"vllm serve exited with "
-                                   f"{self.process.returncode}; see {self.log}")
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=2)
-                record_timing("server start-up", time.monotonic() - started,
-                              model=Path(self.model).name)
-                return self
-            except OSError:
-                time.sleep(0.25)
-        self.__exit__()
-        raise TimeoutError(f"vllm serve not up after {self.startup_timeout} s; "
-                           f"see {self.log}")
+        return started
 
     def __exit__(self, *exc) -> None:
         stopping = time.monotonic()

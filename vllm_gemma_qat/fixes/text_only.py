@@ -121,10 +121,13 @@ def _load_bare_names(load_weights):
     @functools.wraps(load_weights)
     def wrapped(self, weights):
         model_config = self.vllm_config.model_config
-        if (is_gemma_qat(self.vllm_config)
+        if not (is_gemma_qat(self.vllm_config)
                 and is_bare_text_config(model_config.hf_config)):
-            weights = ((wrapped_name(name), tensor) for name, tensor in weights)
-        return load_weights(self, weights)
+            return load_weights(self, weights)
+        weights = ((wrapped_name(name), tensor) for name, tensor in weights)
+        # (a release with patch 0001 but not 0011 reads text_config here)
+        with presented_as_gemma4(model_config):
+            return load_weights(self, weights)
 
     return wrapped
 
