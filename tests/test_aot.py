@@ -1,5 +1,6 @@
 """`vllm-gemma-qat compile`: tiny E2B-like (1 KV head, multimodal) and
-E4B-like (2 KV heads) Gemma 4 checkpoints, built by tpu-inference as `vllm
+E4B-like (2 KV heads, text-only, saved bare by transformers: a `gemma4_text`
+config) Gemma 4 checkpoints, built by tpu-inference as `vllm
 serve --load-format gemma_qat` would and compiled by libtpu for v6e-1 and
 v6e-4 (TP=4), bf16 and the w4a16 export, on this CPU-only machine; and at
 TP=8 over two hosts of a v6e-16.
@@ -33,10 +34,12 @@ def checkpoints(tmp_path_factory):
         path = root / f"{geometry}-{form}"
         if path.exists():
             continue
+        text_only = dict(multimodal=False, bare=True) if geometry == "e4b" \
+            else {}
         if form == "bf16":
-            tiny.save_servable(path, geometry)
+            tiny.save_servable(path, geometry, **text_only)
         else:
-            tiny.save_servable_int4(path, form, geometry)
+            tiny.save_servable_int4(path, form, geometry, **text_only)
         out[geometry, form] = path
     return out
 
@@ -49,8 +52,8 @@ def compiled(request, checkpoints):
     path = checkpoints[geometry, form]
     # sample (four programs) on the TP=4 slices only: its logits are split
     # over the chips there; it does not depend on the model otherwise.
-    # The image programs (the runner's for a multimodal model) on the E2B
-    # cases only (both models are multimodal; the E4B ones skip them).
+    # The image programs (the runner's for a multimodal model) on the
+    # (multimodal) E2B cases.
     report = compile_model(str(path), topo, tp=tp,
                            weights="bf16" if form == "bf16" else "int4",
                            sampling=tp > 1, images=geometry == "e2b",
