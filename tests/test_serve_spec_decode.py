@@ -8,8 +8,10 @@ state the target's answers pass through win by >= 3 logits, and agree with
 the target by design on some drafts only: full acceptance, partial
 acceptance and rejection all occur. Checked per server: the greedy tokens
 of 8 concurrent requests equal transformers' on the target, token for
-token; sent one at a time, each request's verify steps (drafts proposed,
-accepted: `--per-request-spec-decode-metrics detailed`) and vLLM's
+token, and so do their verify steps (drafts proposed, accepted:
+`--per-request-spec-decode-metrics detailed`), except a request the
+scheduler preempted (logged by id); sent one at a time, each request's
+verify steps and vLLM's
 spec-decode counters (drafts, draft tokens, accepted tokens, accepted per
 position) equal those of the test's own draft-and-verify loop
 with transformers' target and assistant fed as tpu-inference's drafter is
@@ -24,6 +26,7 @@ import re
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -150,47 +153,84 @@ def delta(after: dict, before: dict) -> dict:
     return out
 
 
+class Answer(NamedTuple):
+    id: str  # the response's; the engine's request id is it + a suffix
+    tokens: list[int]
+    steps: list[tuple[int, int]]  # per verify step: (drafted, accepted)
+
+
+def asker(server, model):
+    """A greedy completion of (prompt, answer) as an Answer."""
+
+    def ask(request) -> Answer:
+        prompt, answer = request
+        try:
+            r = server.post("/v1/completions", {
+                "model": model, "prompt": prompt, "temperature": 0,
+                "max_tokens": len(answer), "return_token_ids": True,
+                "skip_special_tokens": False})
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"{e}: {e.read().decode()}") from None
+        spec = r["metrics"]["speculative_decoding"]
+        return Answer(r["id"], r["choices"][0]["token_ids"], list(zip(
+            spec["per_step_drafted"], spec["per_step_accepted"])))
+
+    return ask
+
+
+RESUMED = re.compile(r"gemma_qat: request (\S+) resumed after preemption")
+
+
+def sent_together(server, ask, requests):
+    """The requests at once: their Answers, vLLM's preemptions over the
+    round, and the indices of the requests the scheduler resumed after a
+    preemption (fixes/preemption.py logs each by id)."""
+    mark = server.log.stat().st_size
+    before = metric_totals(server.url).get("vllm:num_preemptions_total", 0)
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(ask, requests))
+    preemptions = (metric_totals(server.url).get("vllm:num_preemptions_total",
+                                                 0) - before)
+    with open(server.log, "rb") as log:
+        log.seek(mark)
+        ids = set(RESUMED.findall(log.read().decode(errors="replace")))
+    resumed = {i for i, a in enumerate(answers)
+               if any(r == a.id or r.startswith(a.id + "-") for r in ids)}
+    return answers, int(preemptions), resumed
+
+
 def test_greedy_and_acceptance_equal_the_reference_loop(served):
     server, model, k, config, helper, target, requests = served
     target64 = copy.deepcopy(target).double()
     stop = assistant.stop_tokens()
+    ask = asker(server, model)
 
-    def ask(request):
-        prompt, answer = request
-        try:
-            r = server.post("/v1/completions", {
-            "model": model, "prompt": prompt, "temperature": 0,
-            "max_tokens": len(answer), "return_token_ids": True,
-            "skip_special_tokens": False})
-        except urllib.error.HTTPError as e:
-            raise AssertionError(f"{e}: {e.read().decode()}") from None
-        spec = r["metrics"]["speculative_decoding"]
-        return r["choices"][0]["token_ids"], list(zip(
-            spec["per_step_drafted"], spec["per_step_accepted"]))
-
-    # Batched: the 8 requests at once, greedy tokens equal transformers'.
-    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
-        batched = list(pool.map(ask, requests))
-    # Acceptance one request at a time. Under concurrency vLLM's per-request
-    # verify steps differ from the reference loop's at some steps when
-    # prefills and decodes share a step (seen here in 1 of 3-6 rounds at a
-    # 32-token step, most rounds at 1024; the drafter's inputs and drafts
-    # were logged equal to the reference's at every state, and the drafts
-    # put into the next step equal to them: the cause is not found yet).
+    # The 8 requests at once: greedy tokens equal transformers', and each
+    # request's verify steps equal the reference loop's unless the
+    # scheduler preempted it (its KV recomputed, drafting restarts from the
+    # recomputed state: tests/test_spec_decode_under_load.py shows every
+    # difference is such a request).
+    batched, preemptions, resumed = sent_together(server, ask, requests)
+    print(config, "sent together:", preemptions, "preemptions, resumed",
+          sorted(resumed))
+    assert len(resumed) <= preemptions
+    # One request at a time: the same, and vLLM's counters.
     before, totals = spec_metrics(server), metric_totals(server.url)
     alone = [ask(r) for r in requests]
     after, totals = spec_metrics(server), (totals,
                                            metric_totals(server.url))
     want = {"drafts_total": 0, "draft_tokens_total": 0,
             "accepted_tokens_total": 0, "per_pos": {i: 0 for i in range(k)}}
-    for i, ((prompt, answer), (tokens, _), (tokens_alone, served_steps)) \
-            in enumerate(zip(requests, batched, alone)):
+    for i, ((prompt, answer), together, one) in enumerate(
+            zip(requests, batched, alone)):
         out, steps = assistant.reference(target64, helper, prompt,
                                          len(answer), k, stop)
-        assert tokens == tokens_alone == out == answer == hf_greedy(
+        assert together.tokens == one.tokens == out == answer == hf_greedy(
             target, prompt, len(answer)), config
         # Step by step, per request: (drafts proposed, drafts accepted).
-        assert served_steps == steps, (config, i)
+        assert one.steps == steps, (config, i)
+        if i not in resumed:
+            assert together.steps == steps, (config, i, "sent together")
         for drafted, accepted in steps:
             want["drafts_total"] += 1
             want["draft_tokens_total"] += drafted

@@ -17,6 +17,11 @@ its output tokens from the scheduler's `scheduled_cached_reqs.all_token_ids`,
 as vLLM's GPU model runner does for the same case
 (`gpu_model_runner.py`: "We must recover the output token ids for resumed
 requests in the async scheduling case").
+
+Each request the scheduler resumes is logged by id (`gemma_qat: request ...
+resumed after preemption`): vLLM counts preemptions but names no request,
+and a resumed request's steps legitimately differ from an uninterrupted
+run's (tests/test_serve_spec_decode.py tells them apart by it).
 """
 from __future__ import annotations
 
@@ -47,7 +52,8 @@ def substitutions() -> list[Substitution]:
         f"{RUNNER_MODULE}:TPUModelRunner.execute_model", _restoring_resumed,
         "with async scheduling, a request re-entering the persistent batch "
         "(resumed after preemption) takes its output tokens from the "
-        "scheduler, not the runner's placeholder 0", wraps=True)]
+        "scheduler, not the runner's placeholder 0; each resumed request is "
+        "logged by id", wraps=True)]
 
 
 def restore_resumed_tokens(requests, input_batch, scheduler_output) -> int:
@@ -75,12 +81,25 @@ def restore_resumed_tokens(requests, input_batch, scheduler_output) -> int:
     return corrected
 
 
+def log_resumed(scheduler_output) -> None:
+    """One line per request the scheduler resumes after preemption: its
+    KV is recomputed, so its steps from there on (speculative decoding's
+    drafts and acceptance among them) are not those of an uninterrupted
+    run. vLLM counts preemptions (`vllm:num_preemptions_total`) but names
+    no request."""
+    data = scheduler_output.scheduled_cached_reqs
+    for req_id in data.resumed_req_ids or ():
+        logger.info("gemma_qat: request %s resumed after preemption", req_id)
+
+
 def _restoring_resumed(execute_model):
 
     @functools.wraps(execute_model)
     def wrapped(self, scheduler_output, *args, **kwargs):
-        if (self.scheduler_config.async_scheduling
-                and is_gemma_qat(self.vllm_config)):
+        if not is_gemma_qat(self.vllm_config):
+            return execute_model(self, scheduler_output, *args, **kwargs)
+        log_resumed(scheduler_output)
+        if self.scheduler_config.async_scheduling:
             corrected = restore_resumed_tokens(self.requests, self.input_batch,
                                                scheduler_output)
             if corrected:  # once per process: preemption can be frequent
