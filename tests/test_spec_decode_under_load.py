@@ -15,8 +15,8 @@ resumed ones may differ (their KV is recomputed and drafting restarts from
 the recomputed state, so their steps fall differently).
 
 Open (README, speculative decoding): on the int4 + fp8 server (k=4) at
-1024 tokens one request that was never preempted leaves the loop's steps in
-about 1 round of 4-6, and that run fails."""
+1024 tokens one request that was never preempted leaves the loop's steps
+within the first 4 rounds (6 runs of 6), and that run fails."""
 import copy
 import json
 import os
