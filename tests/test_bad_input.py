@@ -3,6 +3,7 @@ by the real load path (vLLM config, tpu-inference's get_model, our loader)
 before anything could be served. The other header-level cases are unit tests
 of checkpoint.py / geometry.py (test_checkpoint.py, test_geometry.py)."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -62,7 +63,8 @@ def _vllm_serve(model, *args):
     must stop before serving: exit code and output (forked from the
     suite's zygote: a refusal needs no fresh import of vLLM)."""
     start = time.monotonic()
-    log = Path(tempfile.mkstemp(suffix=".log", dir=Path(model).parent)[1])
+    fd, log = tempfile.mkstemp(suffix=".log", dir=Path(model).parent)
+    os.close(fd)
     out = CpuServer(model, *args, log=log).refusal()
     print(f"vllm serve ended after {time.monotonic() - start:.1f} s")
     return out

@@ -33,6 +33,10 @@ from vllm_gemma_qat.testing import runner, tiny
 
 CONFIG_FORMS = ("multimodal", "text", "bare")
 WEIGHTS = ("qat-bf16", "regular-bf16", "q4_0", "w4a16")
+# The w4a16 exports keep this linear bf16 by name (as a recipe's ignore
+# list may): the name is the checkpoint's module path, `model.layers.*` in
+# the bare form, which tpu-inference must match to leave it bf16.
+KEPT_BF16 = "layers.3.mlp.down_proj"
 TOWERLESS = "config.json: vision_config is null"
 LOGIT_ATOL = 1e-4
 
@@ -56,8 +60,14 @@ def _save(hf_models, form: str, weights: str, path: Path):
     if grid is None:
         tiny.save_checkpoint(model, path, weights.split("-")[0], bare=bare)
     else:
-        tiny.save_int4_checkpoint(model, path, grid, weights, bare=bare)
+        ignore = [_prefix(form) + KEPT_BF16] if weights == "w4a16" else []
+        tiny.save_int4_checkpoint(model, path, grid, weights, bare=bare,
+                                  ignore=ignore)
     return model
+
+
+def _prefix(form: str) -> str:
+    return "model." if form == "bare" else "model.language_model."
 
 
 def _towerless(hf_models, path: Path) -> Path:
@@ -107,9 +117,12 @@ def test_inspect_yes_means_the_engine_loads_it_and_answers_as_transformers(
 
     model, config, mesh = runner.load(tmp_path / "model", "gemma_qat",
                                       hf_overrides=overrides)
-    int4 = [n for n, p in model.model.named_parameters()
-            if str(p[...].dtype) == "int4"]
+    int4 = {n for n, p in model.model.named_parameters()
+            if str(p[...].dtype) == "int4"}
     assert bool(int4) == (weights in ("q4_0", "w4a16"))
+    kept = f"language_model.{KEPT_BF16}.weight"
+    assert any(n.endswith(kept) for n, _ in model.model.named_parameters())
+    assert any(n.endswith(kept) for n in int4) == (weights == "q4_0")
     prompt = list(np.random.RandomState(0).randint(3, 500, size=21))
     with cpu.kernels():
         got = runner.PagedRunner(model, config, mesh).step(prompt)

@@ -145,6 +145,7 @@ class CpuServer:
         self.env = env or {}  # added to the server's environment
         # None: FORK_FROM_ZYGOTE decides; False: a fresh `vllm serve`.
         self.zygote = FORK_FROM_ZYGOTE if zygote is None else zygote
+        self.command = None  # set by _launch
         self.process = None
         self._log_file = None
 
@@ -189,8 +190,8 @@ class CpuServer:
 
     def _healthy(self) -> bool:
         try:
-            urllib.request.urlopen(self.url + "/health", timeout=2)
-            return True
+            with urllib.request.urlopen(self.url + "/health", timeout=2):
+                return True
         except OSError:
             return False
 

@@ -74,6 +74,9 @@ class Gemma4ConfigView:
         self.text_config = text_config
 
     def __getattr__(self, name):
+        # (copy / pickle look up dunders on an instance without text_config)
+        if name == "text_config" or name.startswith("__"):
+            raise AttributeError(name)
         return getattr(self.text_config, name)
 
 
