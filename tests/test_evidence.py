@@ -133,8 +133,11 @@ BUG_CASES = [
 def test_every_fix_has_a_case():
     # compile_once is the weight loader's, not a serving check's: shown in
     # test_load_compiles (the stock clears compile each program again).
+    # rejection_padding: shown on tpu-inference's sampler itself
+    # (test_rejection_sampler) and by the opt-in
+    # test_spec_decode_under_load (the int4 + fp8 server at 1024 tokens).
     assert sorted(c.fix for c in CASES) == sorted(
-        set(fixes.ALL) - {"compile_once"})
+        set(fixes.ALL) - {"compile_once", "rejection_padding"})
     assert sorted(c.fix for c in BUG_CASES) == sorted(bugs.BUGS)
 
 

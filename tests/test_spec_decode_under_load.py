@@ -14,9 +14,10 @@ exactly the reference loop's verify steps, as it does sent alone; only
 resumed ones may differ (their KV is recomputed and drafting restarts from
 the recomputed state, so their steps fall differently).
 
-Open (README, speculative decoding): on the int4 + fp8 server (k=4) at
-1024 tokens one request that was never preempted leaves the loop's steps
-within the first 4 rounds (6 runs of 6), and that run fails."""
+
+The int4 + fp8 server at 1024 tokens showed the one other cause:
+tpu-inference's rejection sampler counted padded draft positions as the
+last request's (fixes/rejection_padding.py, patches/0012)."""
 import copy
 import json
 import os

@@ -11,12 +11,14 @@ from vllm_gemma_qat import cpu, fixes, preflight, substitute
 from vllm_gemma_qat.fixes import (compile_once, discarded_samples,
                                   drafter_load, drafter_quantization,
                                   image_steps, kv_share, preemption,
-                                  request_checks, sliding_window, text_only)
+                                  rejection_padding, request_checks,
+                                  sliding_window, text_only)
 from vllm_gemma_qat.substitute import MissingTarget, Substitution
 
 NAMES = ["kv_share", "image_steps", "preemption", "compile_once",
          "drafter_load", "drafter_quantization", "sliding_window",
-         "discarded_samples", "request_checks", "text_only", "preflight",
+         "discarded_samples", "request_checks", "text_only",
+         "rejection_padding", "preflight",
          "CPU kernels", "CPU runtime"]
 
 
@@ -32,6 +34,7 @@ def tables():
             "discarded_samples": discarded_samples.substitutions(),
             "request_checks": request_checks.substitutions(),
             "text_only": text_only.substitutions(),
+            "rejection_padding": rejection_padding.substitutions(),
             "preflight": preflight.substitutions(),
             "CPU kernels": cpu.kernel_substitutions(),
             "CPU runtime": cpu.runtime_substitutions()}

@@ -3,7 +3,8 @@ one cache clear per weight load; weights in the model's dtype; the
 speculative drafter's load config and quantization; sliding-window KV,
 #3220; no async placeholder for discarded samples under speculation;
 prompt_logprobs refused where the runner cannot serve them; text-only
-checkpoints as transformers saves them):
+checkpoints as transformers saves them; padded draft tokens in rejection
+sampling):
 applied to a copy of the installed (pinned) tpu-inference, stock `auto`
 loads both layouts with no plugin, each patch's own tests pass, and the
 plugin steps aside."""
@@ -66,6 +67,10 @@ NEW_TEST_FILES = {
     ".patch": (
         "tests/models/jax/test_gemma4_text_only.py",
         ("tpu_inference/models/jax/gemma4.py", ), 4),
+    "0012-Spec-decode-Padded-draft-tokens-do-not-count-as-the-last-sequence"
+    ".patch": (
+        "tests/layers/jax/sample/test_rejection_sampler_padding.py",
+        ("tpu_inference/layers/jax/sample/rejection_sampler.py", ), 3),
 }
 
 

@@ -15,6 +15,7 @@ Each acts only under `--load-format gemma_qat` (`vllm_gemma_qat.gate`).
 | `discarded_samples` | 0009 | speculative decoding under async scheduling: a request whose samples a step discards (a chunk of a resumed request's recompute) gets no placeholder token |
 | `request_checks` | 0010 | `prompt_logprobs` on a multimodal model or with a drafter: a 400 from the API server, not an engine that dies |
 | `text_only` | 0011 | a text-only checkpoint as transformers saves it (bare `gemma4_text` config, tensors under `model.`) builds and loads |
+| `rejection_padding` | 0012 | speculative decoding: padded draft positions no longer count as the last request's, which lost its bonus token |
 
 `register` installs those in `ALL` (substitutions made when their
 tpu-inference module is imported); `weight_dtype` is applied by the loader's
@@ -36,7 +37,8 @@ logger = logging.getLogger(__name__)
 # Installed by `register`, in this order.
 ALL = ("kv_share", "preemption", "image_steps", "compile_once",
        "drafter_load", "drafter_quantization", "sliding_window",
-       "discarded_samples", "request_checks", "text_only")
+       "discarded_samples", "request_checks", "text_only",
+       "rejection_padding")
 
 
 def modules() -> list:
