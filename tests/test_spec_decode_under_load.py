@@ -14,7 +14,6 @@ exactly the reference loop's verify steps, as it does sent alone; only
 resumed ones may differ (their KV is recomputed and drafting restarts from
 the recomputed state, so their steps fall differently).
 
-
 The int4 + fp8 server at 1024 tokens showed the one other cause:
 tpu-inference's rejection sampler counted padded draft positions as the
 last request's (fixes/rejection_padding.py, patches/0012)."""
