@@ -305,8 +305,20 @@ E2B_FULL_SHARED = Case(kv_heads=1, head_dim=512, page_size=32,
 E4B_FP8 = Case(kv_heads=2, head_dim=256, dtype="bfloat16",
                kv_dtype="float8_e4m3fn", sliding_window=8,
                scales=(("q_scale", 0.5), ("k_scale", 0.75), ("v_scale", 1.25)))
-CI_CASES = [E2B_SLIDING, E2B_FULL_SHARED, E4B_FP8]
-CI_IDS = ["e2b-sliding", "e2b-full-kv-shared", "e4b-fp8"]
+# Contexts past the stand-in's 128-position chunks (its online softmax
+# across them): a step of decodes only (its own path: fewer tokens than
+# request slots, a sliding window that skips the first chunk for the long
+# sequences) and a mixed step over full attention.
+DECODES_LONG = Case(kv_heads=2, head_dim=256, dtype="bfloat16",
+                    kv_dtype="float8_e5m2", sliding_window=8,
+                    seqs=((1, 150), (1, 9), (1, 129), (1, 77)), tokens=8,
+                    max_seqs=12, pages=120)
+MIXED_LONG = Case(kv_heads=2, head_dim=128, seqs=((1, 140), (5, 133),
+                                                  (16, 150)),
+                  max_seqs=6, pages=60)
+CI_CASES = [E2B_SLIDING, E2B_FULL_SHARED, E4B_FP8, DECODES_LONG, MIXED_LONG]
+CI_IDS = ["e2b-sliding", "e2b-full-kv-shared", "e4b-fp8", "decodes-long",
+          "mixed-long"]
 # Every KV-head count, head_dim and page size in both dtypes; as in the
 # models, 128 / 256 with the sliding window and 512 (full layers) without;
 # page 32 as a KV-shared call. Then fp8 caches, model scales (1.0) and others.

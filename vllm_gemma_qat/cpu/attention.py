@@ -10,8 +10,13 @@ float tolerance of the kernel's and of a float64 dense attention (it
 computes in f32 throughout: in bf16 it is closer to the dense reference than
 the kernel, which keeps its softmax sums and accumulator in bf16). Soft
 capping and use_causal_mask=False are implemented but not compared with the
-kernel (Gemma 4 uses neither)."""
+kernel (Gemma 4 uses neither). Contexts longer than its 128-position
+chunks and steps of decodes only (its own path) are among the cases
+compared."""
 from __future__ import annotations
+
+# Context positions read per step of the online softmax.
+_CHUNK_POSITIONS = 128
 
 
 def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices,
@@ -77,21 +82,6 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices,
         store = store.at[page, pos % page_size].set(stored(merge_kv(k, v)),
                                                     mode="drop")
 
-    # Each sequence's context is gathered (and cast) once, not once per
-    # query token: a step's tokens are mostly one sequence's, or padding.
-    # Every token is scored against every sequence's context and the other
-    # sequences' scores are masked out: on CPU, [T, S, C] scores cost far
-    # less than a [T, C, K, H] context gathered per token.
-    ctx = jnp.arange(pages_per_seq * page_size)
-    seq_pages = page_indices[:max_num_seqs * pages_per_seq].reshape(
-        max_num_seqs, pages_per_seq)
-    # [S, C, kv_head * 2 (+pad), head_dim]; k at even, v at odd.
-    kv = loaded(store[seq_pages]).reshape(max_num_seqs, ctx.size, -1,
-                                          padded_head_dim)
-    # fp32 math: XLA:CPU has no bf16 x bf16 -> f32 dot.
-    keys = kv[:, :, 0:2 * num_kv_heads:2, :head_dim].astype(jnp.float32)
-    values = kv[:, :, 1:2 * num_kv_heads:2, :head_dim].astype(jnp.float32)
-
     out_dtype = q.dtype  # as the kernel's: q's, before any quantization
     if q_scale is not None:
         # As the kernel: q quantized to the cache's dtype (clipped to its
@@ -99,29 +89,107 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices,
         info = jnp.finfo(kv_cache.dtype)
         q = jnp.clip(q / q_scale, float(info.min),
                      float(info.max)).astype(kv_cache.dtype)
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("tkgh,sckh->tkgsc", qg.astype(jnp.float32), keys,
-                        preferred_element_type=jnp.float32) * sm_scale
-    if k_scale is not None:
-        scores = scores * k_scale
-    if q_scale is not None:
-        scores = scores * q_scale
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
-    own = jnp.arange(max_num_seqs)[None, :] == seq[:, None]  # [T, S]
-    mask = (own[:, :, None] & (ctx[None, None, :] < kv_lens[None, :, None])
-            & valid[:, None, None])  # [T, S, C]
-    if use_causal_mask:
-        mask &= ctx[None, None, :] <= pos[:, None, None]
-        if sliding_window is not None:
-            mask &= pos[:, None, None] - ctx[None, None, :] < sliding_window
-    mask = mask[:, None, None]  # [T, 1, 1, S, C]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    shape = scores.shape
-    probs = jax.nn.softmax(scores.reshape(*shape[:3], -1),
-                           axis=-1).reshape(shape)
-    probs = jnp.where(mask, probs, 0.0)
-    out = jnp.einsum("tkgsc,sckh->tkgh", probs, values)
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(
+        jnp.float32)  # f32 math: XLA:CPU has no bf16 x bf16 -> f32 dot
+
+    # The context is read a chunk of pages at a time, from the first
+    # position a query token still sees (a sliding window's start) to the
+    # end of the longest live sequence, with an online softmax as the
+    # kernel's: a step costs what its context holds, not what the page
+    # table could (the runner's tables span max_model_len). Each chunk is
+    # gathered (and cast) once per sequence, not once per query token.
+    chunk_pages = max(1, min(pages_per_seq, _CHUNK_POSITIONS // page_size))
+    num_chunks = -(-pages_per_seq // chunk_pages)
+    chunk = chunk_pages * page_size
+    seq_pages = page_indices[:max_num_seqs * pages_per_seq].reshape(
+        max_num_seqs, pages_per_seq)
+    seq_pages = jnp.pad(seq_pages, (
+        (0, 0), (0, num_chunks * chunk_pages - pages_per_seq)))
+    end = jnp.max(jnp.where(live, kv_lens, 0))
+    first = 0
+    if use_causal_mask and sliding_window is not None:
+        first = jnp.maximum(jnp.min(jnp.where(
+            valid, pos - sliding_window + 1, end)), 0) // chunk
+
+    def attend(queries, seq_of, pos_of, valid_of, scoring, mixing):
+        """Online softmax of `queries` ([R, K, G, H]; row r belongs to
+        sequence seq_of(r) at position pos_of[r]) over the chunks; with
+        `scoring` / `mixing` the einsums between a row and the chunk's
+        [S, C, K, H] keys / values. seq_of: [R, S] rows' own sequence."""
+        def read_chunk(i, carry):
+            seen_max, seen_sum, acc = carry
+            pages = jax.lax.dynamic_slice_in_dim(seq_pages, i * chunk_pages,
+                                                 chunk_pages, axis=1)
+            # [S, C, kv_head * 2 (+pad), head_dim]; k at even, v at odd.
+            kv = loaded(store[pages]).reshape(max_num_seqs, chunk, -1,
+                                              padded_head_dim)
+            keys = kv[:, :, 0:2 * num_kv_heads:2, :head_dim].astype(
+                jnp.float32)
+            values = kv[:, :, 1:2 * num_kv_heads:2, :head_dim].astype(
+                jnp.float32)
+            scores = jnp.einsum(scoring, queries, keys,
+                                preferred_element_type=jnp.float32) * sm_scale
+            if k_scale is not None:
+                scores = scores * k_scale
+            if q_scale is not None:
+                scores = scores * q_scale
+            if soft_cap is not None:
+                scores = soft_cap * jnp.tanh(scores / soft_cap)
+            ctx = i * chunk + jnp.arange(chunk)
+            seen = (ctx[None, None, :] < kv_lens[None, :, None]) & \
+                seq_of[:, :, None]  # [R, S, C]
+            if use_causal_mask:
+                seen &= ctx[None, None, :] <= pos_of[:, None, None]
+                if sliding_window is not None:
+                    seen &= (pos_of[:, None, None] - ctx[None, None, :]
+                             < sliding_window)
+            seen &= valid_of[:, None, None]
+            if scores.ndim == 4:  # rows are the sequences themselves
+                seen = jnp.diagonal(seen, axis1=0, axis2=1).T  # [R, C]
+            seen = seen[:, None, None]
+            scores = jnp.where(seen, scores, -jnp.inf)
+            axes = tuple(range(3, scores.ndim))
+            new_max = jnp.maximum(seen_max, scores.max(axis=axes))
+            shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+            probs = jnp.exp(scores - shift.reshape(
+                shift.shape + (1,) * len(axes)))  # unseen: 0
+            rescale = jnp.exp(seen_max - shift)
+            seen_sum = seen_sum * rescale + probs.sum(axis=axes)
+            acc = acc * rescale[..., None] + jnp.einsum(mixing, probs, values)
+            return new_max, seen_sum, acc
+
+        rows = queries.shape[:3]
+        _, total, acc = jax.lax.fori_loop(
+            first, (end + chunk - 1) // chunk, read_chunk,
+            (jnp.full(rows, -jnp.inf, jnp.float32),
+             jnp.zeros(rows, jnp.float32),
+             jnp.zeros((*rows, head_dim), jnp.float32)))
+        # Rows that see nothing (padding) get zeros.
+        return jnp.where(total[..., None] > 0,
+                         acc / jnp.where(total > 0, total, 1.0)[..., None],
+                         0.0)
+
+    def any_step(_):
+        # Every token is scored against every sequence's chunk and the
+        # other sequences are masked out: on CPU, [T, S, C] scores cost far
+        # less than a [T, C, K, H] context gathered per token.
+        own = jnp.arange(max_num_seqs)[None, :] == seq[:, None]
+        return attend(qg, own, pos, valid, "tkgh,sckh->tkgsc",
+                      "tkgsc,sckh->tkgh")
+
+    def decode_step(_):
+        # One token per sequence, token i of sequence i: each sequence's
+        # token is scored against its own chunk only (S rows, not T x S).
+        rows = min(num_tokens, max_num_seqs)
+        queries = jnp.zeros((max_num_seqs, *qg.shape[1:]), jnp.float32)
+        queries = queries.at[:rows].set(qg[:rows])
+        out = attend(queries, jnp.eye(max_num_seqs, dtype=bool), kv_lens - 1,
+                     live, "skgh,sckh->skgc", "skgc,sckh->skgh")
+        return jnp.zeros_like(qg).at[:rows].set(out[:rows])
+
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    decoding = jnp.all(jnp.where(live, q_lens, 1) == 1)
+    out = jax.lax.cond(decoding, decode_step, any_step, None)
     if v_scale is not None:
         out = out * v_scale
     out = out.reshape(num_tokens, num_heads, head_dim).astype(out_dtype)
