@@ -94,7 +94,7 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices,
 
     # The context is read a chunk of pages at a time, from the first
     # position a query token still sees (a sliding window's start) to the
-    # end of the longest live sequence, with an online softmax as the
+    # end of the longest sequence read, with an online softmax as the
     # kernel's: a step costs what its context holds, not what the page
     # table could (the runner's tables span max_model_len). Each chunk is
     # gathered (and cast) once per sequence, not once per query token.
@@ -105,17 +105,18 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices,
         max_num_seqs, pages_per_seq)
     seq_pages = jnp.pad(seq_pages, (
         (0, 0), (0, num_chunks * chunk_pages - pages_per_seq)))
-    end = jnp.max(jnp.where(live, kv_lens, 0))
-    first = 0
-    if use_causal_mask and sliding_window is not None:
-        first = jnp.maximum(jnp.min(jnp.where(
-            valid, pos - sliding_window + 1, end)), 0) // chunk
 
     def attend(queries, seq_of, pos_of, valid_of, scoring, mixing):
-        """Online softmax of `queries` ([R, K, G, H]; row r belongs to
-        sequence seq_of(r) at position pos_of[r]) over the chunks; with
-        `scoring` / `mixing` the einsums between a row and the chunk's
-        [S, C, K, H] keys / values. seq_of: [R, S] rows' own sequence."""
+        """Online softmax of `queries` ([R, K, G, H]; row r: a query of the
+        sequences seq_of[r] ([R, S]) at position pos_of[r], if valid_of[r])
+        over the chunks those rows see; `scoring` / `mixing`: the einsums
+        between the rows and a chunk's [S, C, K, H] keys / values."""
+        end = jnp.max(jnp.where(seq_of.any(axis=0), kv_lens, 0))
+        first = 0
+        if use_causal_mask and sliding_window is not None:
+            first = jnp.maximum(jnp.min(jnp.where(
+                valid_of, pos_of - sliding_window + 1, end)), 0) // chunk
+
         def read_chunk(i, carry):
             seen_max, seen_sum, acc = carry
             pages = jax.lax.dynamic_slice_in_dim(seq_pages, i * chunk_pages,
@@ -169,27 +170,24 @@ def ragged_paged_attention(q, k, v, kv_cache, kv_lens, page_indices,
                          acc / jnp.where(total > 0, total, 1.0)[..., None],
                          0.0)
 
-    def any_step(_):
-        # Every token is scored against every sequence's chunk and the
-        # other sequences are masked out: on CPU, [T, S, C] scores cost far
-        # less than a [T, C, K, H] context gathered per token.
-        own = jnp.arange(max_num_seqs)[None, :] == seq[:, None]
-        return attend(qg, own, pos, valid, "tkgh,sckh->tkgsc",
-                      "tkgsc,sckh->tkgh")
-
-    def decode_step(_):
-        # One token per sequence, token i of sequence i: each sequence's
-        # token is scored against its own chunk only (S rows, not T x S).
-        rows = min(num_tokens, max_num_seqs)
-        queries = jnp.zeros((max_num_seqs, *qg.shape[1:]), jnp.float32)
-        queries = queries.at[:rows].set(qg[:rows])
-        out = attend(queries, jnp.eye(max_num_seqs, dtype=bool), kv_lens - 1,
-                     live, "skgh,sckh->skgc", "skgc,sckh->skgh")
-        return jnp.zeros_like(qg).at[:rows].set(out[:rows])
-
+    # A sequence with one query token (decoding) is scored on its own: S
+    # rows against their own sequence's chunk. The others' tokens are
+    # scored against every sequence's chunk, the other sequences masked
+    # out: on CPU, [T, S, C] scores cost far less than a [T, C, K, H]
+    # context gathered per token. Each loop reads only as far as its own
+    # sequences reach (none: no iteration), so a step of decodes only
+    # costs S rows, not T x S.
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    decoding = jnp.all(jnp.where(live, q_lens, 1) == 1)
-    out = jax.lax.cond(decoding, decode_step, any_step, None)
+    decoding = live & (q_lens == 1)  # [S]
+    one_token = qg[jnp.minimum(cu_q_lens[:-1], num_tokens - 1)]
+    decoded = attend(one_token, jnp.eye(max_num_seqs, dtype=bool) &
+                     decoding[:, None], kv_lens - 1, decoding,
+                     "skgh,sckh->skgc", "skgc,sckh->skgh")
+    rest = valid & ~decoding[seq]
+    own = (jnp.arange(max_num_seqs)[None, :] == seq[:, None]) & rest[:, None]
+    out = attend(qg, own, pos, rest, "tkgh,sckh->tkgsc", "tkgsc,sckh->tkgh")
+    out = jnp.where((valid & decoding[seq])[:, None, None, None],
+                    decoded[seq], out)
     if v_scale is not None:
         out = out * v_scale
     out = out.reshape(num_tokens, num_heads, head_dim).astype(out_dtype)
