@@ -18,38 +18,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from vllm_gemma_qat import assistant, checkpoint, geometry, plan, quantization
+from vllm_gemma_qat import geometry, plan, quantization, targets
 from vllm_gemma_qat.checkpoint import CheckpointError
-
-
-def _open(target: str, remote_ok: bool = False):
-    """The checkpoint's headers: a local directory or the HF cache, else
-    (`remote_ok`, a repo id) straight from the hub, before any download."""
-    try:
-        path = checkpoint.resolve(target, allow_download=False)
-    except CheckpointError:
-        if not (remote_ok and _looks_like_repo_id(target)):
-            raise
-        ckpt = checkpoint.open_remote(target)
-        return ckpt, geometry.check(ckpt)
-    if _config_only(path):
-        raise CheckpointError(
-            f"{path}: config.json but no *.safetensors shards (weights not "
-            "downloaded?); inspect reads the shards' headers. `vllm-gemma-qat "
-            f"plan {target}` works from config.json alone")
-    ckpt = checkpoint.open_checkpoint(path)
-    return ckpt, geometry.check(ckpt)
-
-
-def _looks_like_repo_id(target: str) -> bool:
-    return (target.count("/") == 1 and not target.startswith((".", "/"))
-            and not Path(target).exists())
-
-
-def _config_only(path: Path) -> bool:
-    return ((path / "config.json").is_file()
-            and not (path / "model.safetensors.index.json").is_file()
-            and not any(path.glob("*.safetensors")))
 
 
 def _gb(n: int) -> str:
@@ -176,7 +146,8 @@ def _off_grid(ckpt, report: geometry.CheckpointReport) -> dict[str, str]:
 
 
 def cmd_inspect(args) -> int:
-    ckpt, report = _open(args.checkpoint, remote_ok=not args.grid)
+    ckpt, report = targets.open_headers(args.checkpoint,
+                                        remote_ok=not args.grid)
     summary = inspect_summary(ckpt, report)
     if args.grid and report.loads_with_gemma_qat:
         off = _off_grid(ckpt, report)
@@ -189,104 +160,11 @@ def cmd_inspect(args) -> int:
     return 0 if report.loads_with_gemma_qat else 1
 
 
-def _plan_inputs(target: str, int4_export_ok: bool = False):
-    """(Geometry, plan.Weights as loaded, their dtypes, source) from a
-    checkpoint (headers) or a bare config.json (language model from the
-    geometry, bf16 assumed). `int4_export_ok`: a w4a16 export's language
-    model counted from its geometry in bf16 (for the int4 form), its towers
-    from the headers."""
-    p = Path(target)
-    if not p.is_file():
-        try:
-            resolved = checkpoint.resolve(target, allow_download=False)
-        except CheckpointError:
-            if not _looks_like_repo_id(target):
-                raise
-            resolved = None  # not here: headers from the hub (below)
-        if resolved and _config_only(resolved):
-            p = resolved / "config.json"
-    if p.is_file():
-        config = checkpoint.read_config(p.parent) if p.name == "config.json" \
-            else _load_json(p)
-        errors = geometry.config_errors(config)
-        if errors:
-            raise CheckpointError(f"{p}: {errors[0]}")
-        geo = geometry.Geometry.from_text_config(geometry.text_config_of(config))
-        tensors = {n: (2 * checkpoint.numel(s), checkpoint.numel(s))
-                   for n, s in geo.expected("").items()}
-        return (geo, plan.Weights(tensors), "bf16 assumed",
-                "config (language model only)", config)
-    ckpt, report = _open(target, remote_ok=True)
-    if report.config_errors:
-        raise CheckpointError(f"{ckpt.path}: {report.config_errors[0]}")
-    if report.export_kind == "qat-w4a16-ct" and not int4_export_ok:
-        raise CheckpointError(
-            f"{target}: plan takes a bf16 export (regular or QAT bf16); pass "
-            "--weights int4 for the 4-bit figure")
-    skipped = set(report.skipped)
-    tensors, other, other_numel, vision, dtypes = {}, 0, 0, 0, set()
-    if report.export_kind == "qat-w4a16-ct":
-        tensors = {n: (2 * checkpoint.numel(s), checkpoint.numel(s))
-                   for n, s in report.geometry.expected("").items()}
-    for name, info in ckpt.tensors.items():
-        if name in skipped or ".audio_tower." in name or ".embed_audio." in name:
-            continue
-        dtypes.add(info.dtype.lower())
-        if geometry.is_language_model_tensor(name, report.prefix):
-            if report.export_kind != "qat-w4a16-ct":
-                tensors[name.removeprefix(report.prefix)] = (info.nbytes,
-                                                             info.numel)
-        else:
-            other += info.nbytes
-            other_numel += info.numel
-            vision += info.nbytes if plan.is_vision_tensor(name) else 0
-    return (report.geometry, plan.Weights(tensors, other, vision,
-                                          other_numel),
-            ", ".join(sorted(dtypes)), "checkpoint headers", ckpt.config)
-
-
-def _load_json(p: Path) -> dict:
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{p}: not valid JSON ({e})") from None
-
-
-SERVED_DTYPE_BYTES = {"auto": None, "bfloat16": 2, "float32": 4}
-
-
-def _assistant_bytes(target: str, config: dict, name: str,
-                     dtype: str) -> tuple[int, int, str]:
-    """(bytes on each chip, tensors, dtypes) of the Gemma 4 assistant
-    `name` (a directory, a repo id in the HF cache, else its headers from
-    the hub), after checking that it fits the target's config: the
-    CheckpointError of the loader otherwise. Its floating-point tensors in
-    the served `dtype` (auto: as stored)."""
-    try:
-        path = checkpoint.resolve(name, allow_download=False)
-        ckpt = checkpoint.open_checkpoint(path)
-    except CheckpointError:
-        if not _looks_like_repo_id(name):
-            raise
-        ckpt = checkpoint.open_remote(name)
-    report = assistant.check(ckpt, config, target)
-    report.raise_if_invalid()
-    served = SERVED_DTYPE_BYTES[dtype]
-    total, dtypes = 0, set()
-    for tensor in ckpt.tensors.values():
-        dtypes.add(tensor.dtype.lower())
-        floating = tensor.dtype in ("BF16", "F16", "F32")
-        total += tensor.numel * served if served and floating \
-            else tensor.nbytes
-    return total, len(ckpt.tensors), dtype if served else ", ".join(
-        sorted(dtypes))
-
-
 def cmd_plan(args) -> int:
-    geo, weights, dtypes, source, config = _plan_inputs(
+    geo, weights, dtypes, source, config = targets.plan_inputs(
         args.target, int4_export_ok=args.weights == "int4")
     if args.assistant:
-        helper_bytes, helper_tensors, helper_dtypes = _assistant_bytes(
+        helper_bytes, helper_tensors, helper_dtypes = targets.assistant_bytes(
             args.target, config, args.assistant, args.dtype)
         weights = dataclasses.replace(weights, assistant_bytes=helper_bytes)
     p = plan.make_plan(geo, weights, agents=args.agents,
@@ -295,7 +173,7 @@ def cmd_plan(args) -> int:
                        form=args.weights, tp=args.tp,
                        tokens_per_image=plan.soft_tokens_per_image(config),
                        images_per_agent=args.images,
-                       dtype_bytes=SERVED_DTYPE_BYTES[args.dtype],
+                       dtype_bytes=targets.SERVED_DTYPE_BYTES[args.dtype],
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs,
                        block_size=args.block_size)
@@ -384,7 +262,7 @@ def _int4_tp_indivisible(geo, tp: int) -> list[str]:
 def cmd_int4_overrides(args) -> int:
     ignore = []
     if args.checkpoint:
-        ckpt, report = _open(args.checkpoint)
+        ckpt, report = targets.open_headers(args.checkpoint)
         report.raise_if_invalid(ckpt.path)
         if report.quantized:
             raise CheckpointError(
@@ -548,7 +426,7 @@ def main(argv=None) -> int:
     p.add_argument("--utilization", type=_fraction, default=0.92,
                    help="vLLM --gpu-memory-utilization, in (0, 1] (vLLM's "
                    "default: 0.92)")
-    p.add_argument("--dtype", choices=sorted(SERVED_DTYPE_BYTES),
+    p.add_argument("--dtype", choices=sorted(targets.SERVED_DTYPE_BYTES),
                    default="auto", help="vLLM --dtype: the weights other "
                    "than int4 linears in this dtype (auto: as stored; the "
                    "exports store bf16)")
@@ -606,7 +484,7 @@ def main(argv=None) -> int:
                    "export)")
     p.add_argument("--kv-dtype", choices=sorted(plan.KV_DTYPE_BYTES),
                    default="bf16")
-    p.add_argument("--dtype", choices=sorted(SERVED_DTYPE_BYTES),
+    p.add_argument("--dtype", choices=sorted(targets.SERVED_DTYPE_BYTES),
                    default="auto", help="vLLM --dtype")
     p.add_argument("--max-model-len", type=_positive(int), default=None,
                    help="vLLM --max-model-len (default, as vLLM's: the "

@@ -215,8 +215,8 @@ def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                          speculative, images, helpers, load_format):
     started = time.perf_counter()
 
-    from vllm_gemma_qat import checkpoint, cli, plan as planlib
-    geo, plan_weights, _, _, config = cli._plan_inputs(
+    from vllm_gemma_qat import checkpoint, plan as planlib, targets
+    geo, plan_weights, _, _, config = targets.plan_inputs(
         target, int4_export_ok=weights == "int4")
     if speculative:  # its config (a local directory), checked as plan does
         helper = checkpoint.resolve(speculative[0], allow_download=False)
@@ -225,8 +225,8 @@ def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
         from vllm_gemma_qat import assistant as assistantlib
         if not assistantlib.is_assistant(helper_config):
             raise assistantlib.not_an_assistant(speculative[0], helper_config)
-        if not cli._config_only(helper):
-            plan_helper, _, _ = cli._assistant_bytes(
+        if not targets.config_only(helper):
+            plan_helper, _, _ = targets.assistant_bytes(
                 target, config, str(helper), dtype)
             import dataclasses
             plan_weights = dataclasses.replace(plan_weights,
@@ -285,10 +285,10 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                        f"not {topo.chips} on {topo.hosts}")
 
     # The plugin's header check, as `vllm serve` runs it (a local
-    # checkpoint; a hub repo is checked from its headers by _plan_inputs).
-    from vllm_gemma_qat import cli, preflight, quantization
+    # checkpoint; a hub repo is checked from its headers by targets.plan_inputs).
+    from vllm_gemma_qat import preflight, quantization, targets
     bare = Path(target).is_file() or (Path(target).is_dir()
-                                      and cli._config_only(Path(target)))
+                                      and targets.config_only(Path(target)))
     if not bare:
         preflight.check_local_checkpoint(
             target, tp=tp, hf_overrides={
