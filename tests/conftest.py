@@ -25,7 +25,7 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # A controller stopped by a signal (a timeout, Ctrl-C) takes its
         # workers with it, and they their servers (cpu/server.py).
-        from vllm_gemma_qat.cpu.server import die_with_parent
+        from vllm_gemma_qat.cpu.lifetime import die_with_parent
         die_with_parent()
     # One compilation cache for the whole run, made by the main process
     # (pytest-xdist workers start later and inherit it); a fresh one each

@@ -2,7 +2,6 @@
 demo, the end-to-end tests and the serving benchmark's smoke run)."""
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import os
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from vllm_gemma_qat.gate import LOAD_FORMAT
 from vllm_gemma_qat.cpu import CPU_MODE_ENV
+from vllm_gemma_qat.cpu.lifetime import die_with_parent
 
 # By default these servers pad every step to this many tokens, so
 # tpu-inference compiles the model once per server instead of once per token
@@ -31,23 +31,9 @@ STEP_TOKENS = 32
 FORK_FROM_ZYGOTE = False
 
 
-# Resolved here, not in the forked child (which must not load anything).
-_prctl = ctypes.CDLL(None, use_errno=True).prctl
-_PR_SET_PDEATHSIG = 1
 # Servers started by this process and not yet stopped: a signal that ends
 # the process ends them first (`_stop_live_servers_on_signals`).
 _LIVE: set["CpuServer"] = set()
-
-
-def die_with_parent(parent: int | None = None) -> None:
-    """SIGTERM to this process when the thread that started it ends, however
-    its process dies (SIGKILL included); at once if `parent` (the pid that
-    started it) is already gone. Run in each server's process before exec,
-    so a server never outlives what started it (the API server stops its
-    engine on SIGTERM); conftest.py runs it in pytest-xdist workers."""
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if parent is not None and os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def stop_live_servers() -> None:

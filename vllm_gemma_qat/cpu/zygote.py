@@ -78,7 +78,7 @@ def stop_all() -> None:
 
 class Zygote:
     def __init__(self, env: dict[str, str]):
-        from vllm_gemma_qat.cpu.server import die_with_parent
+        from vllm_gemma_qat.cpu.lifetime import die_with_parent
         fd, preamble = tempfile.mkstemp(prefix="vllm-zygote-", suffix=".log")
         os.close(fd)
         self.preamble = Path(preamble)
@@ -205,7 +205,7 @@ def _run_server(request: dict, preamble: Path, zygote: int, imported: dict,
                 own_fds) -> int:
     import runpy
 
-    from vllm_gemma_qat.cpu.server import die_with_parent
+    from vllm_gemma_qat.cpu.lifetime import die_with_parent
     os.setsid()
     # As a fresh interpreter has them.
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)

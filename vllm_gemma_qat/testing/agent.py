@@ -356,7 +356,7 @@ def trained(seed: int = 0, log=None) -> Path:
     import sys
 
     from vllm_gemma_qat import int4
-    from vllm_gemma_qat.cpu.server import die_with_parent
+    from vllm_gemma_qat.cpu.lifetime import die_with_parent
     from vllm_gemma_qat.testing import model_cache
     key = {"trainer": model_cache.source_digest(__file__, tiny.__file__,
                                                 int4.__file__),
