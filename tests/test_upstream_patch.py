@@ -11,7 +11,6 @@ plugin steps aside."""
 import importlib.metadata
 import importlib.util
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -155,16 +154,12 @@ def test_stock_auto_loads_both_layouts_with_patch_and_no_plugin(
     assert "ok stock bfloat16 from float32 e4b-regular" in out.stdout  # 0005
 
 
-def test_patch_own_tests_pass_against_patched_copy(patched):
+def test_patch_own_tests_pass_against_patched_copy(upstream_tests_run):
     tests = appended_tests(PATCHES[0].read_text(), UPSTREAM_TESTS)
     assert tests.count("\ndef test_") == 2
-    file = patched / UPSTREAM_TESTS
-    file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text((ROOT / "tests" / "upstream_test_context.py").read_text()
-                    + tests)
-    out = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", file], patched)
-    assert out.returncode == 0, out.stdout[-4000:]
-    assert re.search(r"^2 passed\b", out.stdout, re.M), out.stdout[-2000:]
+    outcomes, output = upstream_tests_run
+    assert outcomes.get(UPSTREAM_TESTS) == ["passed"] * 2, (
+        f"{UPSTREAM_TESTS}: {outcomes.get(UPSTREAM_TESTS)}\n{output[-4000:]}")
 
 
 def _bare_text_checkpoint(patched, tiny_models):
@@ -197,12 +192,18 @@ def test_plugin_detects_fixed_tpu_inference_and_still_loads(patched, tiny_models
 
 
 @pytest.fixture(scope="module")
-def new_test_files_run(patched, tmp_path_factory):
-    """Every later patch's new test file written into the patched copy and
-    run in one pytest process (each file alone imports tpu-inference for
-    ~20 s): {test file: its junit testcases' outcomes}, and the output."""
+def upstream_tests_run(patched, tmp_path_factory):
+    """The first patch's tests (appended to tpu-inference's KV-share test
+    file) and every later patch's new test file, written into the patched
+    copy and run in one pytest process (each file alone imports
+    tpu-inference for ~20 s): {test file: its junit testcases' outcomes},
+    and the output."""
     import xml.etree.ElementTree as ET
-    files = []
+    own = patched / UPSTREAM_TESTS
+    own.parent.mkdir(parents=True, exist_ok=True)
+    own.write_text((ROOT / "tests" / "upstream_test_context.py").read_text()
+                   + appended_tests(PATCHES[0].read_text(), UPSTREAM_TESTS))
+    files = [own]
     for patch_name, (tests, _, _) in sorted(NEW_TEST_FILES.items()):
         text = (ROOT / "patches" / patch_name).read_text()
         file = patched / tests
@@ -226,11 +227,11 @@ def new_test_files_run(patched, tmp_path_factory):
 
 @pytest.mark.parametrize("patch_name", sorted(NEW_TEST_FILES))
 def test_new_test_files_of_later_patches_pass_against_patched_copy(
-        new_test_files_run, patch_name):
+        upstream_tests_run, patch_name):
     tests, touched, count = NEW_TEST_FILES[patch_name]
     text = (ROOT / "patches" / patch_name).read_text()
     for path in touched:
         assert f"diff --git a/{path} b/{path}" in text
-    outcomes, output = new_test_files_run
+    outcomes, output = upstream_tests_run
     assert outcomes.get(tests) == ["passed"] * count, (
         f"{tests}: {outcomes.get(tests)}\n{output[-4000:]}")
