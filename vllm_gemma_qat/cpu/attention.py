@@ -11,7 +11,7 @@ computes in f32 throughout: in bf16 it is closer to the dense reference than
 the kernel, which keeps its softmax sums and accumulator in bf16). Soft
 capping and use_causal_mask=False are implemented but not compared with the
 kernel (Gemma 4 uses neither). Contexts longer than its 128-position
-chunks and steps of decodes only (its own path) are among the cases
+chunks and steps of decodes only (their own rows) are among the cases
 compared."""
 from __future__ import annotations
 

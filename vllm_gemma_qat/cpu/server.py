@@ -21,9 +21,9 @@ from vllm_gemma_qat.cpu.lifetime import die_with_parent
 # By default these servers pad every step to this many tokens, so
 # tpu-inference compiles the model once per server instead of once per token
 # bucket it meets (three or four in a test, ~6 s each at TP=4 on CPU).
-# Small, because CPU mode's attention scores every token of a step against
-# every sequence's whole context; longer prompts are prefilled in chunks
-# (vLLM's chunked prefill).
+# Small, because CPU mode's attention scores every prefill token of a step
+# against every sequence's context in use; longer prompts are prefilled in
+# chunks (vLLM's chunked prefill).
 STEP_TOKENS = 32
 
 # Fork servers from a process that has imported `vllm serve` already
