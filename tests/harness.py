@@ -109,6 +109,33 @@ FLIPS_PER_FORWARD = 64
 
 
 def fp8_flip_allowance(hf_fp32, token_ids, kv_dtype: str):
+    """`_fp8_flip_allowance`, computed once per machine: a model-cache entry
+    keyed by the model's tensors and config, the tokens, the K/V dtype,
+    this file's source and the torch / transformers versions (one forward
+    per 64 flips, single-threaded: ~100 s for test_serve_real_kernels'
+    96 tokens)."""
+    import json
+    from pathlib import Path
+
+    from vllm_gemma_qat.testing import model_cache
+    key = {"model": model_cache.tensor_digest(hf_fp32),
+           "config": hf_fp32.config.to_json_string(use_diff=False),
+           "token_ids": [int(t) for t in token_ids], "kv_dtype": kv_dtype,
+           "code": model_cache.source_digest(__file__),
+           "versions": model_cache.versions()}
+
+    def compute(directory: Path):
+        allowance, flips = _fp8_flip_allowance(hf_fp32, token_ids, kv_dtype)
+        np.save(directory / "allowance.npy", allowance)
+        (directory / "flips.json").write_text(json.dumps(flips))
+
+    entry = model_cache.entry("fp8-flip-allowance", key, compute,
+                              kind="reference")
+    return (np.load(entry / "allowance.npy"),
+            json.loads((entry / "flips.json").read_text()))
+
+
+def _fp8_flip_allowance(hf_fp32, token_ids, kv_dtype: str):
     """How far an fp32 server with an fp8 cache may correctly be from
     `hf_token_logprobs(hf_fp32, token_ids, kv_dtype)`, per position, and the
     number of elements it comes from. Two correct fp32 implementations

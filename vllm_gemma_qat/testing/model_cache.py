@@ -1,4 +1,5 @@
-"""Tiny models the tests train, trained once per machine.
+"""Tiny models the tests train, trained once per machine (and reference
+computations too slow to repeat, computed once).
 
 An entry is a directory under `root()` (outside any clone, beside the
 venv: `~/.cache/vllm-gemma-qat/models`, or `VLLM_GEMMA_QAT_MODEL_CACHE`),
@@ -80,10 +81,12 @@ def _locked(path: Path):
 
 
 def entry(name: str, key: dict, build: Callable[[Path], None],
-          log: Callable[[str], None] | None = None) -> Path:
+          log: Callable[[str], None] | None = None,
+          kind: str = "training") -> Path:
     """The cache directory for (`name`, `key`), made by `build(directory)`
     when it is missing, stale or corrupt. `key` must be JSON-serializable
-    and say everything the result depends on."""
+    and say everything the result depends on. `kind`: what the run's time
+    summary counts a build as (a training, a reference computation)."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()
                             ).hexdigest()[:16]
     path = root() / f"{name}-{digest}"
@@ -101,7 +104,7 @@ def entry(name: str, key: dict, build: Callable[[Path], None],
         try:
             started = time.monotonic()
             build(scratch)
-            record_timing("training", time.monotonic() - started, name=name)
+            record_timing(kind, time.monotonic() - started, name=name)
             files = _file_hashes(scratch)
             if not files:
                 raise RuntimeError(f"model cache: building {name} wrote "
