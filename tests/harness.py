@@ -118,19 +118,16 @@ def fp8_flip_allowance(hf_fp32, token_ids, kv_dtype: str):
     from pathlib import Path
 
     from vllm_gemma_qat.testing import model_cache
-    key = {"model": model_cache.tensor_digest(hf_fp32),
-           "config": hf_fp32.config.to_json_string(use_diff=False),
-           "token_ids": [int(t) for t in token_ids], "kv_dtype": kv_dtype,
-           "code": model_cache.source_digest(__file__),
-           "versions": model_cache.versions()}
 
     def compute(directory: Path):
         allowance, flips = _fp8_flip_allowance(hf_fp32, token_ids, kv_dtype)
         np.save(directory / "allowance.npy", allowance)
         (directory / "flips.json").write_text(json.dumps(flips))
 
-    entry = model_cache.entry("fp8-flip-allowance", key, compute,
-                              kind="reference")
+    entry = model_cache.reference(
+        "fp8-flip-allowance", hf_fp32,
+        {"token_ids": [int(t) for t in token_ids], "kv_dtype": kv_dtype},
+        __file__, compute)
     return (np.load(entry / "allowance.npy"),
             json.loads((entry / "flips.json").read_text()))
 

@@ -51,18 +51,14 @@ def references(hf, prompts_ids, n=N) -> list[list[int]]:
 
     from vllm_gemma_qat.testing import model_cache
     prompts_ids = [[int(t) for t in ids] for ids in prompts_ids]
-    key = {"model": model_cache.tensor_digest(hf),
-           "config": hf.config.to_json_string(use_diff=False),
-           "prompts": prompts_ids, "n": n,
-           "code": model_cache.source_digest(__file__),
-           "versions": model_cache.versions()}
 
     def compute(directory):
         (directory / "greedy.json").write_text(json.dumps(
             [reference(hf, ids, n) for ids in prompts_ids]))
 
-    entry = model_cache.entry("greedy-reference", key, compute,
-                              kind="reference")
+    entry = model_cache.reference("greedy-reference", hf,
+                                  {"prompts": prompts_ids, "n": n}, __file__,
+                                  compute)
     return json.loads((entry / "greedy.json").read_text())
 
 

@@ -128,3 +128,15 @@ def tensor_digest(model) -> str:
         h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def reference(name: str, model, inputs: dict, source: str | Path,
+              compute: Callable[[Path], None]) -> Path:
+    """The entry of a reference computation on a transformers `model`
+    (`compute(directory)` writes its result), keyed by the model's tensors
+    and config, `inputs` (JSON), the `source` file that computes it and the
+    torch / transformers versions."""
+    key = {"model": tensor_digest(model),
+           "config": model.config.to_json_string(use_diff=False),
+           **inputs, "code": source_digest(source), "versions": versions()}
+    return entry(name, key, compute, kind="reference")
