@@ -16,7 +16,6 @@ import os
 import re
 import sys
 from collections import Counter
-from pathlib import Path
 
 from vllm_gemma_qat import geometry, plan, quantization, targets
 from vllm_gemma_qat.checkpoint import CheckpointError
