@@ -3,7 +3,8 @@ import shutil
 import sys
 import tempfile
 
-from vllm_gemma_qat.cpu.env import compile_cache_env, set_defaults
+from vllm_gemma_qat.cpu.env import (compile_cache_env, machine_compile_cache,
+                                    set_defaults)
 
 set_defaults(os.environ)  # before anything imports JAX / tpu_inference
 sys.path.insert(0, os.path.dirname(__file__))
@@ -27,16 +28,18 @@ def pytest_configure(config):
         # workers with it, and they their servers (cpu/server.py).
         from vllm_gemma_qat.cpu.lifetime import die_with_parent
         die_with_parent()
-    # One compilation cache for the whole run, made by the main process
-    # (pytest-xdist workers start later and inherit it); a fresh one each
-    # run, so no run depends on what an earlier one left.
-    if os.environ.get("PYTEST_XDIST_WORKER") or \
-            "JAX_COMPILATION_CACHE_DIR" in os.environ:
-        return
-    config._compile_cache = tempfile.mkdtemp(prefix="vllm-gemma-qat-xla-")
-    os.environ.update(compile_cache_env(config._compile_cache))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the workers inherit what the main process set below
+    # One compilation cache for the run and the runs after it on this
+    # machine (cpu/env.py: machine_compile_cache), set by the main process
+    # before the workers and servers start.
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        from vllm_gemma_qat.testing import model_cache
+        os.environ.update(compile_cache_env(str(
+            machine_compile_cache(model_cache.root()))))
     # Where servers and trainings say how long they took (the summary).
-    os.environ.setdefault(TIMINGS_ENV, os.path.join(config._compile_cache,
+    config._run_dir = tempfile.mkdtemp(prefix="vllm-gemma-qat-run-")
+    os.environ.setdefault(TIMINGS_ENV, os.path.join(config._run_dir,
                                                     "timings.jsonl"))
     config._timings = os.environ[TIMINGS_ENV]
 
@@ -65,8 +68,8 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 def pytest_unconfigure(config):
-    if getattr(config, "_compile_cache", None):
-        shutil.rmtree(config._compile_cache, ignore_errors=True)
+    if getattr(config, "_run_dir", None):
+        shutil.rmtree(config._run_dir, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

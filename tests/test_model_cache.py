@@ -103,3 +103,42 @@ def test_concurrent_users_build_it_once(cache):
     for t in threads:
         t.join()
     assert len(paths) == 3 and len(set(paths)) == 1 and build.builds == 1
+
+
+_COMPILE_ONCE = """
+import jax, jax.numpy as jnp
+print(float(jax.jit(lambda x: jnp.sin(x) * 3.0)(jnp.float32(0.5))))
+"""
+
+
+def _compile_in_fresh_process(cache_dir):
+    import os
+    import subprocess
+    import sys
+    from vllm_gemma_qat.cpu.env import compile_cache_env
+    env = dict(os.environ, **compile_cache_env(str(cache_dir)),
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _COMPILE_ONCE], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+def test_the_machines_compile_cache_keeps_its_stack_and_survives_a_torn_entry(
+        tmp_path):
+    """The compilation cache test runs share (cpu/env.py): other jax
+    versions' directories go, an oversized one is emptied, and an entry cut
+    short (a run killed mid-write) is compiled again, never served."""
+    from vllm_gemma_qat.cpu import env
+    (tmp_path / "xla-0.0.1-0.0.1").mkdir()
+    (tmp_path / "xla-0.0.1-0.0.1" / "entry-cache").write_bytes(b"old")
+    current = env.machine_compile_cache(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [current.name]
+    expected = _compile_in_fresh_process(current)
+    [entry] = [p for p in current.iterdir() if "jit__lambda" in p.name]
+    entry.write_bytes(entry.read_bytes()[:len(entry.read_bytes()) // 2])
+    assert _compile_in_fresh_process(current) == expected
+    big = current / "filler-cache"
+    with open(big, "wb") as f:
+        f.truncate(env.MACHINE_CACHE_LIMIT_BYTES + 1)  # sparse
+    assert list(env.machine_compile_cache(tmp_path).iterdir()) == []
