@@ -136,8 +136,10 @@ def test_every_fix_has_a_case():
     # rejection_padding: shown on tpu-inference's sampler itself
     # (test_rejection_sampler) and by the opt-in
     # test_spec_decode_under_load (the int4 + fp8 server at 1024 tokens).
+    # int4_tiling changes what the TPU compiler emits, not what is served:
+    # shown by libtpu's code size (test_int4_tiling).
     assert sorted(c.fix for c in CASES) == sorted(
-        set(fixes.ALL) - {"compile_once", "rejection_padding"})
+        set(fixes.ALL) - {"compile_once", "rejection_padding", "int4_tiling"})
     assert sorted(c.fix for c in BUG_CASES) == sorted(bugs.BUGS)
 
 

@@ -4,7 +4,7 @@ speculative drafter's load config and quantization; sliding-window KV,
 #3220; no async placeholder for discarded samples under speculation;
 prompt_logprobs refused where the runner cannot serve them; text-only
 checkpoints as transformers saves them; padded draft tokens in rejection
-sampling):
+sampling; dense int4 gmm_v2 tiles):
 applied to a copy of the installed (pinned) tpu-inference, stock `auto`
 loads both layouts with no plugin, each patch's own tests pass, and the
 plugin steps aside."""
@@ -70,6 +70,9 @@ NEW_TEST_FILES = {
     ".patch": (
         "tests/layers/jax/sample/test_rejection_sampler_padding.py",
         ("tpu_inference/layers/jax/sample/rejection_sampler.py", ), 3),
+    "0013-Linear-Dense-gmm_v2-calls-one-M-bucket-N-tiles-bound.patch": (
+        "tests/layers/common/test_linear_gmm_tiling.py",
+        ("tpu_inference/layers/common/linear.py", ), 3),
 }
 
 

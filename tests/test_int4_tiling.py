@@ -1,0 +1,131 @@
+"""int4 linears' gmm_v2 tiles under gemma_qat (fixes/int4_tiling.py, patch
+0013): one M bucket, N tiles bounded at prefill-sized steps. The kernel in
+Pallas TPU interpret mode still computes the exact product with them, and
+the TPU compiler (libtpu, deviceless, v5e-1) emits less code for them."""
+import numpy as np
+import pytest
+
+from vllm_gemma_qat import substitute
+from vllm_gemma_qat.fixes import int4_tiling
+
+from test_real_kernels import (gmm_tolerance, plugin_int4, q4_0_linear,
+                               quantized_matmul)
+
+
+@pytest.fixture
+def tiles_seen(monkeypatch):
+    """The tiles each gmm_v2 call gets, with the fix's substitution in
+    place; `serving` switches it on (as the model loader does under
+    gemma_qat)."""
+    from tpu_inference.layers.common import linear
+    seen = []
+    with substitute.applied(int4_tiling.linear_substitutions(), "test"):
+        compact = linear._safe_calculate_tiling
+
+        def recording(dims, *args, **kwargs):
+            tiles = compact(dims, *args, **kwargs)
+            seen.append((dims.size_m, dims.size_n, tiles))
+            return tiles
+        monkeypatch.setattr(linear, "_safe_calculate_tiling", recording)
+        yield seen
+
+
+def test_compact_tiles_keep_one_bucket_and_bound_n_at_prefill():
+    from tokamax._src.ops.experimental.gmm_v2.gmm_v2 import TileSizes
+    stock = TileSizes(tile_m=256, tile_k=1536, tile_n=12288, bucket_base=64)
+    prefill = int4_tiling.compact_tiles(stock, 512, 12288, 128, 128)
+    assert (prefill.tile_m, prefill.bucket_base, prefill.tile_n) == (
+        256, 256, 2048)  # <= 4 x 512 and divides 12288
+    decode = int4_tiling.compact_tiles(
+        TileSizes(tile_m=8, tile_k=1536, tile_n=12288, bucket_base=8),
+        8, 12288, 128, 128)
+    assert decode.tile_n == 12288  # decode keeps tokamax's N tile
+    # 4,224 = 33 x 128 columns at 256 tokens: the widest tile of whole
+    # lanes dividing it, <= 1,024, is 3 x 128.
+    odd = int4_tiling.compact_tiles(
+        TileSizes(tile_m=256, tile_k=64, tile_n=4224, bucket_base=64),
+        256, 4224, 256, 128)
+    assert odd.tile_n == 384
+
+
+@pytest.mark.parametrize("m", [320])
+def test_gemma_qat_tiles_compute_the_exact_product_in_interpret_mode(
+        tiles_seen, monkeypatch, m):
+    """320 tokens: two M tiles of 256 (the second 64 rows full, one bucket
+    for both), the output in two N tiles of 1024 (tokamax: one of 2048)."""
+    import jax
+    import jax.numpy as jnp
+    n_in, n_out = 64, 2048
+    weight = q4_0_linear(n_out, n_in, seed=3)
+    w, s = plugin_int4(weight)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((m, n_in)),
+                    "float32")
+    xf = np.asarray(x, np.float64)
+    exact = xf @ weight.astype(np.float64).T
+    tol = gmm_tolerance("float32", xf, weight.astype(np.float64))
+
+    stock = quantized_matmul(x, w, s, "interpret")
+    (*_, stock_tiles) = tiles_seen[-1]
+    # The tiles are chosen when gmm_v2 is traced (a server sets the switch
+    # before it traces anything): trace it again.
+    jax.clear_caches()
+    monkeypatch.setattr(int4_tiling, "_serving_gemma_qat", True)
+    compact = quantized_matmul(x, w, s, "interpret")
+    (*_, tiles) = tiles_seen[-1]
+    assert (tiles.tile_m, tiles.bucket_base, tiles.tile_n) == (256, 256, 1024)
+    assert stock_tiles.bucket_base < stock_tiles.tile_m
+    assert stock_tiles.tile_n == n_out
+    assert (np.abs(compact - exact) <= tol).all(), np.abs(compact - exact).max()
+    assert (np.abs(stock - exact) <= tol).all()
+    # The comparison can fail: a scale group of one output column negated.
+    wrong = weight.astype(np.float64).copy()
+    wrong[1000, :32] *= -1
+    assert (np.abs(compact - xf @ wrong.T) > 10 * tol).any()
+
+
+def _code_bytes(m, k, n, serving, monkeypatch):
+    """Generated code of one int4 linear (tpu-inference's wNa16 call),
+    compiled by libtpu for a v5e-1 without one."""
+    import os
+    import jax
+    import jax.numpy as jnp
+    import numpy
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from tpu_inference.layers.common.linear import sharded_quantized_matmul
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    monkeypatch.setattr(int4_tiling, "_serving_gemma_qat", serving)
+    jax.clear_caches()  # gmm_v2 picks its tiles when traced
+    desc = topologies.get_topology_desc(
+        platform="tpu", topology_name="v5e:1x1", chip_config_name="default",
+        chips_per_host_bounds=(1, 1, 1), num_slices=1)
+    mesh = Mesh(numpy.array(desc.devices[:1]).reshape(1, 1),
+                ("data", "model"))
+    spec = P(None, "model")
+
+    def sds(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype,
+                                    sharding=NamedSharding(mesh, spec))
+    args = (sds((m, k), jnp.bfloat16, P("data", None)),
+            sds((k, n), jnp.int4, spec),
+            sds((k // 32, 1, n), jnp.bfloat16, P(None, None, "model")))
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda x, w, s: sharded_quantized_matmul(
+            x, w, s, spec, mesh=mesh, maybe_quantize_x=False)
+        ).lower(*args).compile()
+    return compiled.memory_analysis().generated_code_size_in_bytes
+
+
+def test_the_tpu_compiler_emits_less_code_for_a_prefill_step(
+        tiles_seen, monkeypatch):
+    m, k, n = 512, 256, 4096
+    stock = _code_bytes(m, k, n, False, monkeypatch)
+    compact = _code_bytes(m, k, n, True, monkeypatch)
+    print(f"int4 linear {m}x{k}x{n} on v5e-1: {stock / 2**20:.2f} MiB of "
+          f"code with tokamax's tiles, {compact / 2**20:.2f} with one bucket "
+          "and N tiles of 2048")
+    (*_, tiles) = tiles_seen[-1]
+    assert (tiles.bucket_base, tiles.tile_n) == (tiles.tile_m, 2048)
+    assert compact * 3 <= stock, (stock, compact)
