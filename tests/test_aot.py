@@ -158,6 +158,23 @@ def test_what_does_not_fit_says_so(checkpoints, capfd):
     assert "compiled" in out  # compiled anyway, with one request's pages
 
 
+def test_out_of_hbm_exits_1_naming_the_program_and_the_memory(checkpoints,
+                                                            capfd):
+    # 99.99% of a v5e chip's HBM to the KV cache leaves the step no room:
+    # the TPU compiler's own out-of-memory error, named with the program.
+    rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
+                   "v5e-1", "--max-model-len", "256", "--max-num-batched-"
+                   "tokens", "16", "--utilization", "0.9999", "--no-logits",
+                   "--no-sampling", "--no-images", "--no-helpers"])
+    out = capfd.readouterr().out
+    assert rc == 1, out
+    assert re.search(r"the TPU compiler on step\(num_tokens=16, num_reqs=8\):"
+                     r".*RESOURCE_EXHAUSTED: Ran out of memory on HBM, the "
+                     r"total memory required .*\(\d+\.\d+G\) exceeds "
+                     r"available HBM \(\d+\.\d+G\)", out), out
+    assert "verdict          does NOT compile" in out
+
+
 def test_a_multi_host_slice_compiles_tp_across_hosts(checkpoints):
     # v6e-16: 16 chips, 4 per host; TP=8 lays the model over two hosts.
     from vllm_gemma_qat.aot.compile import compile_model
