@@ -64,10 +64,13 @@ def test_gemma_qat_tiles_compute_the_exact_product_in_interpret_mode(
     exact = xf @ weight.astype(np.float64).T
     tol = gmm_tolerance("float32", xf, weight.astype(np.float64))
 
+    # The tiles are chosen when gmm_v2 is traced (a server sets the switch
+    # before it traces anything; in this process an earlier test's model
+    # load may have set it): set it, and trace again each time.
+    monkeypatch.setattr(int4_tiling, "_serving_gemma_qat", False)
+    jax.clear_caches()
     stock = quantized_matmul(x, w, s, "interpret")
     (*_, stock_tiles) = tiles_seen[-1]
-    # The tiles are chosen when gmm_v2 is traced (a server sets the switch
-    # before it traces anything): trace it again.
     jax.clear_caches()
     monkeypatch.setattr(int4_tiling, "_serving_gemma_qat", True)
     compact = quantized_matmul(x, w, s, "interpret")
