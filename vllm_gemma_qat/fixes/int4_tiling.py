@@ -16,8 +16,9 @@ step's token count M:
 
 - One M bucket (bucket_base = tile_m). The smaller buckets serve only a
   last tile the tokens do not fill; tpu-inference's token buckets are powers
-  of two, multiples of tile_m, so those branches never run: the same work,
-  a quarter of the code.
+  of two (up to --max-num-batched-tokens), multiples of tile_m, so those
+  branches never run: the same work, a quarter of the code. A token count
+  that is not a multiple computes its last tile whole, masked as before.
 - From M >= 256 tokens (prefill-sized steps, where the code is largest),
   N tiles no wider than max(4 M, 2 MXU widths), dividing N. Each N tile
   reads the step's activations again, M x K x 2 bytes, against its
