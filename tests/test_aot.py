@@ -145,13 +145,19 @@ def test_report_for_people_and_tools(compiled, capsys):
     assert "verdict          fits" in out
 
 
-def test_what_does_not_fit_says_so(checkpoints, capfd):
-    # 0.01% of a v5e chip's 16 GiB is less than the weights: no KV cache.
+def _compile_step_on_v5e(checkpoints, capfd, utilization):
+    """`compile` of the E2B-like bf16 checkpoint's one step for v5e-1: its
+    exit code and output."""
     rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
                    "v5e-1", "--max-model-len", "256", "--max-num-batched-"
-                   "tokens", "16", "--utilization", "0.0001", "--no-logits",
+                   "tokens", "16", "--utilization", utilization, "--no-logits",
                    "--no-sampling", "--no-images", "--no-helpers"])
-    out = capfd.readouterr().out
+    return rc, capfd.readouterr().out
+
+
+def test_what_does_not_fit_says_so(checkpoints, capfd):
+    # 0.01% of a v5e chip's 16 GiB is less than the weights: no KV cache.
+    rc, out = _compile_step_on_v5e(checkpoints, capfd, "0.0001")
     assert rc == 1, out
     assert "verdict          does NOT fit" in out
     assert "fewer than one request's --max-model-len 256" in out
@@ -162,11 +168,7 @@ def test_out_of_hbm_exits_1_naming_the_program_and_the_memory(checkpoints,
                                                             capfd):
     # 99.99% of a v5e chip's HBM to the KV cache leaves the step no room:
     # the TPU compiler's own out-of-memory error, named with the program.
-    rc = cli.main(["compile", str(checkpoints["e2b", "bf16"]), "--topology",
-                   "v5e-1", "--max-model-len", "256", "--max-num-batched-"
-                   "tokens", "16", "--utilization", "0.9999", "--no-logits",
-                   "--no-sampling", "--no-images", "--no-helpers"])
-    out = capfd.readouterr().out
+    rc, out = _compile_step_on_v5e(checkpoints, capfd, "0.9999")
     assert rc == 1, out
     assert re.search(r"the TPU compiler on step\(num_tokens=16, num_reqs=8\):"
                      r".*RESOURCE_EXHAUSTED: Ran out of memory on HBM, the "
