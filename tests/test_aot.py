@@ -383,14 +383,20 @@ def test_stock_load_format_builds_kv_on_shared_layers(tmp_path):
     from transformers import Gemma4Config
 
     from vllm_gemma_qat.aot.compile import compile_model
+    from vllm_gemma_qat.fixes import int4_tiling
     config = Gemma4Config(text_config=tiny.text_config_kwargs("e2b"),
                           vision_config=None, audio_config=None,
                           tie_word_embeddings=True)
     config.architectures = ["Gemma4ForCausalLM"]
     config.to_json_file(tmp_path / "config.json")
-    reports = {fmt: compile_model(str(tmp_path), "v6e-1", logits=False,
-                                  sampling=False, load_format=fmt, **FLAGS)
-               for fmt in ("gemma_qat", "auto")}
+    reports, int4_tiles = {}, {}
+    for fmt in ("gemma_qat", "auto"):
+        reports[fmt] = compile_model(str(tmp_path), "v6e-1", logits=False,
+                                     sampling=False, load_format=fmt,
+                                     **FLAGS)
+        int4_tiles[fmt] = int4_tiling._serving_gemma_qat
+    # The model build switches fixes/int4_tiling on for gemma_qat only.
+    assert int4_tiles == {"gemma_qat": True, "auto": False}
     qat, stock = reports["gemma_qat"], reports["auto"]
     assert stock.all_compiled
     # The shared layers' k_proj / v_proj / k_norm, which plan counts too.

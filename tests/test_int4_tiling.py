@@ -15,8 +15,8 @@ from test_real_kernels import (gmm_tolerance, plugin_int4, q4_0_linear,
 @pytest.fixture
 def tiles_seen(monkeypatch):
     """The tiles each gmm_v2 call gets, with the fix's substitution in
-    place; `serving` switches it on (as the model loader does under
-    gemma_qat)."""
+    place (its switch, `_serving_gemma_qat`, set by each test as the model
+    build sets it)."""
     from tpu_inference.layers.common import linear
     seen = []
     with substitute.applied(int4_tiling.linear_substitutions(), "test"):
@@ -48,14 +48,13 @@ def test_compact_tiles_keep_one_bucket_and_bound_n_at_prefill():
     assert odd.tile_n == 384
 
 
-@pytest.mark.parametrize("m", [320])
 def test_gemma_qat_tiles_compute_the_exact_product_in_interpret_mode(
-        tiles_seen, monkeypatch, m):
+        tiles_seen, monkeypatch):
     """320 tokens: two M tiles of 256 (the second 64 rows full, one bucket
     for both), the output in two N tiles of 1024 (tokamax: one of 2048)."""
     import jax
     import jax.numpy as jnp
-    n_in, n_out = 64, 2048
+    m, n_in, n_out = 320, 64, 2048
     weight = q4_0_linear(n_out, n_in, seed=3)
     w, s = plugin_int4(weight)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((m, n_in)),
@@ -96,13 +95,17 @@ def _code_bytes(m, k, n, serving, monkeypatch):
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from tpu_inference.layers.common.linear import sharded_quantized_matmul
+
+    from vllm_gemma_qat.aot import topology
     monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     monkeypatch.setattr(int4_tiling, "_serving_gemma_qat", serving)
     jax.clear_caches()  # gmm_v2 picks its tiles when traced
+    v5e = topology("v5e-1")
     desc = topologies.get_topology_desc(
-        platform="tpu", topology_name="v5e:1x1", chip_config_name="default",
-        chips_per_host_bounds=(1, 1, 1), num_slices=1)
+        platform="tpu", topology_name=v5e.libtpu_name,
+        chip_config_name="default", chips_per_host_bounds=v5e.bounds,
+        num_slices=1)
     mesh = Mesh(numpy.array(desc.devices[:1]).reshape(1, 1),
                 ("data", "model"))
     spec = P(None, "model")

@@ -34,8 +34,9 @@ and E4B int4 now compile every step at default flags on v5e-1, and E2B's
 cost estimate for the kernel is the kernel's own declaration, blind to
 tiling: run-time cost on a TPU is not measured.
 
-Decided per engine process: the model loader says whether the model it
-builds serves gemma_qat (tracing happens after).
+Decided per engine process: tpu-inference's JAX model build
+(`get_flax_model`) says whether the model it builds serves gemma_qat
+(tracing happens after).
 """
 from __future__ import annotations
 
@@ -48,7 +49,6 @@ from vllm_gemma_qat.substitute import Substitution
 
 LINEAR_MODULE = "tpu_inference.layers.common.linear"
 MODEL_LOADER = "tpu_inference.models.common.model_loader"
-RUNNER_MODULE = "tpu_inference.runner.tpu_runner"
 PREFILL_TOKENS = 256
 
 _serving_gemma_qat = False
@@ -58,7 +58,6 @@ def install() -> None:
     label = f"vllm-gemma-qat (--load-format {LOAD_FORMAT} only, int4 tiles)"
     substitute.apply_on_import(LINEAR_MODULE, linear_substitutions, label)
     substitute.apply_on_import(MODEL_LOADER, loader_substitutions, label)
-    substitute.apply_on_import(RUNNER_MODULE, runner_substitutions, label)
 
 
 def linear_substitutions() -> list[Substitution]:
@@ -70,22 +69,16 @@ def linear_substitutions() -> list[Substitution]:
 
 
 def loader_substitutions() -> list[Substitution]:
+    # get_model (the runner's and compile's entry) builds JAX models here,
+    # through the module's own name: the target's and the drafter's.
     return [Substitution(
-        f"{MODEL_LOADER}:get_model", _noting_gemma_qat,
-        "the model loader says whether the model serves gemma_qat",
-        wraps=True)]
-
-
-def runner_substitutions() -> list[Substitution]:
-    return [Substitution(
-        f"{RUNNER_MODULE}:get_model", _noting_gemma_qat,
-        "the same, as the runner imported it by name",
+        f"{MODEL_LOADER}:get_flax_model", _noting_gemma_qat,
+        "the JAX model build says whether the model serves gemma_qat",
         wraps=True)]
 
 
 def substitutions() -> list[Substitution]:
-    return (linear_substitutions() + loader_substitutions() +
-            runner_substitutions())
+    return linear_substitutions() + loader_substitutions()
 
 
 def compact_tiles(tiles, size_m: int, size_n: int, mxu_columns: int,
@@ -123,12 +116,12 @@ def _compact(safe_calculate_tiling):
     return tiling
 
 
-def _noting_gemma_qat(get_model):
+def _noting_gemma_qat(get_flax_model):
 
-    @functools.wraps(get_model)
+    @functools.wraps(get_flax_model)
     def wrapped(vllm_config, *args, **kwargs):
         global _serving_gemma_qat
         _serving_gemma_qat = is_gemma_qat(vllm_config)
-        return get_model(vllm_config, *args, **kwargs)
+        return get_flax_model(vllm_config, *args, **kwargs)
 
     return wrapped
