@@ -3,7 +3,8 @@
 Builds once (cached outside the repo) synthetic checkpoints with the real
 Gemma 4 E2B text-decoder shapes (~9 GB bf16 at --scale 1): the QAT layout and
 the regular layout (same values; linears on the int4 grid), then loads each
-in a fresh process:
+in a new process, forked from one that has imported what a load imports
+(the imports are no part of a load's time: ~20 s each on 2 cores):
   stock  `auto`      on the regular export (the only one stock can load)
   plugin `gemma_qat` on the QAT export
   int4   `gemma_qat` on the QAT export with the w4a16 overrides (exact int4)
@@ -133,8 +134,51 @@ class MemorySampler(threading.Thread):
             self.sample()
 
 
+def preload() -> None:
+    """What a load imports, once, in the order `vllm serve` imports it (the
+    plugins before tpu-inference's model modules, cpu/zygote.py): each load
+    runs in a child forked from here. Nothing here starts JAX's backend."""
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    import tpu_inference.models.common.model_loader  # noqa: F401
+    import vllm.config  # noqa: F401
+
+    from vllm_gemma_qat.fixes import compile_once  # noqa: F401
+    from vllm_gemma_qat.testing import runner  # noqa: F401
+
+
+def forked(log: Path, env: dict[str, str | None], function, *args) -> None:
+    """function(*args) in a child forked from this process, with `env`
+    applied (None: unset) and its output to `log`."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            for key, value in env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            function(*args)
+            code = 0
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"the load failed (exit status "
+                         f"{os.waitstatus_to_exitcode(status)}); see {log}")
+
+
 def child(path: str, load_format: str, int4_flag: str, out: str) -> None:
-    """One load in this (fresh) process; writes a JSON result."""
+    """One load in this (new) process; writes a JSON result."""
     from vllm.plugins import load_general_plugins
 
     from vllm_gemma_qat import quantization, weights
@@ -189,7 +233,7 @@ def overrides_cost(path: Path) -> dict:
 
 def run(label, path, load_format, int4_flag, cache, runs=1,
         per_module=False) -> dict:
-    """`runs` loads, each in a fresh process: the median run's figures, with
+    """`runs` loads, each in a new process: the median run's figures, with
     every run's under "runs" and the wall-time min / median / max."""
     results = []
     for i in range(runs):
@@ -198,13 +242,9 @@ def run(label, path, load_format, int4_flag, cache, runs=1,
               f"{' + int4 overrides' if int4_flag == 'int4' else ''}"
               f"{' (clears per module)' if per_module else ''}, run {i + 1} of "
               f"{runs} ...", flush=True)
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
-        env.pop(PER_MODULE_ENV, None)
-        if per_module:
-            env[PER_MODULE_ENV] = "1"
-        subprocess.run([sys.executable, __file__, "--child", str(path),
-                        load_format, int4_flag, str(out)], check=True, env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        forked(cache / f"load-{label}-{i}.log",
+               {PER_MODULE_ENV: "1" if per_module else None}, child,
+               str(path), load_format, int4_flag, str(out))
         result = json.loads(out.read_text())
         print(f"[{label}] {result['wall_s']:.1f} s, {result['compiles']} "
               f"compiles ({result['distinct_compiles']} distinct), peak RSS "
@@ -231,8 +271,6 @@ def ratios(a: dict, b: dict) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        return child(*sys.argv[2:6])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=float, default=1.0,
                         help="width scale (1.0 = real E2B text decoder)")
@@ -255,10 +293,16 @@ def main() -> None:
     config = scaled_config(args.scale, args.layers)
     print(f"building (once) synthetic E2B text decoder, scale {args.scale:g}, "
           f"in {cache} ...", flush=True)
-    qat = build(cache / "qat", config, "qat")
-    regular = build(cache / "regular", config, "regular")
+    # Built in children too: a fork after torch ran its thread pool here
+    # can hang in the child (OpenMP's pool is not fork-safe).
+    for layout in ("qat", "regular"):
+        forked(cache / f"build-{layout}.log", {}, build, cache / layout,
+               config, layout)
+    qat, regular = cache / "qat", cache / "regular"
     size = sum(f.stat().st_size for f in qat.glob("*.safetensors"))
     print(f"QAT checkpoint: {size / 1e9:.2f} GB", flush=True)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    preload()
     results = {
         "stock_regular": run("stock", regular, "auto", "bf16", cache, runs),
         "plugin_qat": run("plugin", qat, "gemma_qat", "bf16", cache, runs)}
