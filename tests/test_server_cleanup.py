@@ -27,7 +27,7 @@ def test_holds_a_server(tmp_path):
     tiny.save_servable(tmp_path / "model", multimodal=False)
     with CpuServer(tmp_path / "model", log=tmp_path / "server.log") as server:
         from vllm_gemma_qat.cpu import zygote
-        zygotes = [z.process.pid for z in zygote._ZYGOTES.values()]
+        zygotes = [z.process.pid for z in zygote._ZYGOTES]
         marker = Path(os.environ["HELD_SERVER_PID"])
         marker.with_suffix(".tmp").write_text(
             " ".join(map(str, [server.process.pid, *zygotes])))
@@ -122,3 +122,31 @@ def test_a_forked_server_gets_what_its_imports_add_to_its_environment():
     imported = _imports_changed({}, {"XLA_FLAGS": "--avx2 "})
     assert _as_imported({"XLA_FLAGS": "--d"}, imported) == {
         "XLA_FLAGS": "--avx2 --d"}
+
+
+def test_a_zygote_is_keyed_by_what_its_imports_read():
+    # What the imports read through os.environ is watched (a lookup, `in`,
+    # get); a variable no import read is the server's own.
+    from vllm_gemma_qat.cpu import zygote
+    environ = {"VLLM_IMPORT_TIME": "a", "VLLM_RUN_TIME": "1",
+               "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--x", "OTHER": "o"}
+    with zygote._watching_reads():
+        os.environ.get("VLLM_IMPORT_TIME")
+        "HF_NOT_SET" in os.environ
+    read = zygote._WatchedEnviron.read
+    assert {"VLLM_IMPORT_TIME", "HF_NOT_SET"} <= read
+    assert os.environ.__class__ is os._Environ  # restored
+    k = zygote.key(environ, read)
+    assert dict(k) == {"VLLM_IMPORT_TIME": "a", "HF_NOT_SET": None,
+                       "JAX_PLATFORMS": "cpu"}  # native readers: always
+    assert zygote.key(dict(environ, VLLM_RUN_TIME="2", XLA_FLAGS="--y"),
+                      read) == k
+    assert zygote.key(dict(environ, VLLM_IMPORT_TIME="b"), read) != k
+    assert zygote.key(dict(environ, HF_NOT_SET="1"), read) != k
+    # An import that iterates over the environment (here: this test, not
+    # one read to keep only its own prefix) makes every name count.
+    with zygote._watching_reads():
+        dict(os.environ)
+    assert zygote._WatchedEnviron.read == zygote._ALL
+    assert zygote.key(dict(environ, VLLM_RUN_TIME="2"), zygote._ALL) != \
+        zygote.key(environ, zygote._ALL)

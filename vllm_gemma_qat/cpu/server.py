@@ -201,6 +201,11 @@ class CpuServer:
         if self.zygote:
             from vllm_gemma_qat.cpu import zygote
             self.process = zygote.start(self.command, env, self.log)
+            if self.process.zygote_seconds:
+                # Its own row of the summary, not the server's start-up.
+                record_timing("zygote start-up", self.process.zygote_seconds,
+                              model=Path(self.model).name)
+                started += self.process.zygote_seconds
         else:
             self._log_file = open(self.log, "w")
             self.process = subprocess.Popen(

@@ -14,9 +14,14 @@ core inherits the imports too. What a test sees through HTTP and the log is
 the same; what it no longer sees is the spawned engine core's own plugin
 load, so tests/test_serve_e2e.py keeps the real spawn.
 
-A zygote serves one environment: one whose values differ (a kernel choice,
-a bug switch, image limits) gets its own zygote. XLA_FLAGS is left out of
-that key: JAX reads it when its backend starts, in the server. What
+A zygote serves every environment that agrees with its own where its
+imports could have read it: the variables its imports read through
+os.environ (watched while they run: a kernel choice, a bug switch), and
+every variable of the prefixes that native libraries read as they load
+(`_ALWAYS_KEYED`). A variable read only later, in the server (image limits,
+tpu-inference's token bucket), is the server's own: servers that differ
+only there share a zygote. XLA_FLAGS is never keyed: JAX reads it when its
+backend starts, in the server. What
 vLLM's and tpu-inference's imports did to the zygote's environment
 (tpu-inference prepends `--xla_cpu_max_isa=AVX2` to XLA_FLAGS, among
 others) is done again to each server's (`_as_imported`).
@@ -26,6 +31,7 @@ log, where a fresh process would have written it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -38,42 +44,67 @@ from pathlib import Path
 
 # Read when JAX's backend starts (in the server), not on import.
 _NOT_KEYED = ("XLA_FLAGS", )
-_KEYED_PREFIXES = ("VLLM", "JAX", "TPU", "XLA", "HF_", "HOME", "XDG_",
-                   "TMPDIR", "TRANSFORMERS", "TOKENIZERS", "MIN_TOKEN_BUCKET",
-                   "SKIP_JAX", "OMP_", "MKL", "ONEDNN", "TORCH", "PYTORCH",
-                   "TRITON", "TILELANG", "LD_LIBRARY_PATH", "PYTHON",
-                   "LIBTPU", "NEW_MODEL_DESIGN", "MODEL_IMPL")
-_ZYGOTES: dict[tuple, "Zygote"] = {}
+# Native libraries read these as they load, past os.environ: always keyed.
+_ALWAYS_KEYED = ("JAX", "TPU", "XLA", "HOME", "XDG_", "TMPDIR", "OMP_", "MKL",
+                 "ONEDNN", "TORCH", "PYTORCH", "TRITON", "TILELANG",
+                 "LD_LIBRARY_PATH", "PYTHON", "LIBTPU", "TF_")
+# Python reads these: keyed where the zygote's imports read them.
+_KEYED_IF_READ = ("VLLM", "HF_", "TRANSFORMERS", "TOKENIZERS",
+                  "MIN_TOKEN_BUCKET", "SKIP_JAX", "NEW_MODEL_DESIGN",
+                  "MODEL_IMPL")
+_ALL = "*"  # the imports iterated over the environment: every name read
+_ZYGOTES: list["Zygote"] = []  # most recently used last
 _OWNER = os.getpid()  # not a child forked from this process
 _MOST = 2  # zygotes kept per process (each holds ~1.5 GB of imports)
 
 
-def key(env: dict[str, str]) -> tuple:
-    return tuple(sorted((k, v) for k, v in env.items()
-                        if k.startswith(_KEYED_PREFIXES)
-                        and k not in _NOT_KEYED))
+def key(env: dict[str, str], read: frozenset[str] | str = _ALL) -> tuple:
+    """What a zygote whose imports read `read` (names, or _ALL) must agree
+    on with a server's environment `env`."""
+    def keyed(name: str) -> bool:
+        if name in _NOT_KEYED:
+            return False
+        if name.startswith(_ALWAYS_KEYED):
+            return True
+        return name.startswith(_KEYED_IF_READ) and (read == _ALL or
+                                                    name in read)
+    names = {n for n in env if keyed(n)}
+    if read != _ALL:
+        names |= {n for n in read if keyed(n)}  # unset there: unset here
+    return tuple(sorted((n, env.get(n)) for n in names))
 
 
 def start(command: list[str], env: dict[str, str],
           log: Path) -> "ForkedServer":
-    """`command` (`vllm serve ...`) forked from the zygote for `env`."""
-    k = key(env)
-    zygote = _ZYGOTES.pop(k, None)
-    if zygote is None or zygote.process.poll() is not None:
-        if zygote is not None:
-            zygote.stop()
-        idle = [other for other, z in _ZYGOTES.items() if not z.serving()]
+    """`command` (`vllm serve ...`) forked from the zygote for `env`. The
+    server's `zygote_seconds`: how long a new zygote took to import (0
+    where one was ready)."""
+    for dead in [z for z in _ZYGOTES if z.process.poll() is not None]:
+        _ZYGOTES.remove(dead)
+        dead.stop()
+    fits = [z for z in _ZYGOTES if z.serves(env)]
+    started = time.monotonic()
+    if fits:
+        zygote, imported = fits[-1], 0.0
+        _ZYGOTES.remove(zygote)
+    else:
+        idle = [z for z in _ZYGOTES if not z.serving()]
         while idle and len(_ZYGOTES) >= _MOST:  # never one with a server
-            _ZYGOTES.pop(idle.pop(0)).stop()
+            oldest = idle.pop(0)
+            _ZYGOTES.remove(oldest)
+            oldest.stop()
         zygote = Zygote(env)
-    _ZYGOTES[k] = zygote  # most recently used last
-    return zygote.fork(command, env, log)
+        imported = time.monotonic() - started
+    _ZYGOTES.append(zygote)
+    server = zygote.fork(command, env, log)
+    server.zygote_seconds = imported
+    return server
 
 
 @atexit.register
 def stop_all() -> None:
     while _ZYGOTES and os.getpid() == _OWNER:
-        _ZYGOTES.popitem()[1].stop()
+        _ZYGOTES.pop().stop()
 
 
 class Zygote:
@@ -90,9 +121,17 @@ class Zygote:
             preexec_fn=functools.partial(die_with_parent, os.getpid()))
         self.servers: list[ForkedServer] = []
         self.busy = False
-        if self._read() != {"ready": True}:
+        ready = self._read()
+        if not ready.get("ready"):
             raise RuntimeError(f"the server zygote did not start; see "
                                f"{self.preamble}")
+        # The names its imports read (or _ALL), and the key that follows.
+        self.read = ready["read"] if ready["read"] == _ALL else \
+            frozenset(ready["read"])
+        self.key = key(env, self.read)
+
+    def serves(self, env: dict[str, str]) -> bool:
+        return key(env, self.read) == self.key
 
     def _read(self) -> dict:
         line = self.process.stdout.readline()
@@ -143,6 +182,7 @@ class ForkedServer:
 
     def __init__(self, pid: int, zygote: Zygote):
         self.pid, self.zygote, self.returncode = pid, zygote, None
+        self.zygote_seconds = 0.0
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -184,6 +224,51 @@ def _preload() -> None:
     import tpu_inference.worker.tpu_worker  # noqa: F401
     import vllm.entrypoints.openai.api_server  # noqa: F401
     import vllm.v1.engine.core  # noqa: F401
+
+
+# Modules that iterate over the environment as they import, read to be
+# harmless: they keep only names of their own prefix, none keyed here
+# (tqdm TQDM_*, networkx NETWORKX_*, fsspec FSSPEC_*, numba NUMBA_*), or
+# copy it for a `file` subprocess (platform) or as a WSGI server's base
+# environ (wsgiref, which vLLM does not serve with). Any other one that
+# iterates makes every name count as read.
+_ITERATE_HARMLESSLY = ("tqdm.utils", "networkx.utils.backends",
+                       "fsspec.config", "numba.core.config", "platform",
+                       "wsgiref.handlers")
+
+
+class _WatchedEnviron(os._Environ):
+    """os.environ, noting each name read (a lookup, `get`, `in`,
+    `setdefault`) and who iterates over it."""
+    read: set[str] | str = set()
+
+    def __getitem__(self, name):
+        if _WatchedEnviron.read != _ALL:
+            _WatchedEnviron.read.add(name)
+        return super().__getitem__(name)
+
+    def __iter__(self):
+        frame = sys._getframe(1)
+        while frame and frame.f_globals.get("__name__") in (
+                "os", "collections.abc", "_collections_abc"):
+            frame = frame.f_back
+        if not frame or frame.f_globals.get("__name__") not in \
+                _ITERATE_HARMLESSLY:
+            _WatchedEnviron.read = _ALL
+        return super().__iter__()
+
+
+@contextlib.contextmanager
+def _watching_reads():
+    """In the body, os.environ notes what is read: `_WatchedEnviron.read`,
+    the names, or _ALL."""
+    environ_class = os.environ.__class__
+    _WatchedEnviron.read = set()
+    os.environ.__class__ = _WatchedEnviron
+    try:
+        yield
+    finally:
+        os.environ.__class__ = environ_class
 
 
 def _become_server(request: dict, preamble: Path, zygote: int,
@@ -266,7 +351,9 @@ def _serve(preamble: Path) -> None:
     os.dup2(out, 1)
     os.dup2(out, 2)
     before = dict(os.environ)
-    _preload()
+    with _watching_reads():
+        _preload()
+    read = _WatchedEnviron.read
     imported = _imports_changed(before, dict(os.environ))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -276,7 +363,8 @@ def _serve(preamble: Path) -> None:
         replies.write(json.dumps(what) + "\n")
         replies.flush()
 
-    reply(ready=True)
+    reply(ready=True, read=read if read == _ALL else sorted(
+        name for name in read if isinstance(name, str)))
     for line in requests:
         request = json.loads(line)
         while True:  # reap what has exited
