@@ -238,10 +238,14 @@ def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
     from vllm.plugins import load_general_plugins
     load_general_plugins()  # the plugin, as `vllm serve` loads it
     table = substitutions(topo, _int4_layout)
+    from jax.experimental.compilation_cache import compilation_cache
     # Deviceless executables cannot be loaded here: keep them out of JAX's
-    # persistent cache (a later read fails with a warning).
+    # persistent cache (a later read fails with a warning). JAX decides
+    # once per process whether it uses the cache, at its first compile:
+    # reset, so that the decision is taken again here and after.
     cache_was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     # JAX's in-memory caches hold traces made for an earlier compile's
     # topology (a nested jit's out_shardings resolved against its mesh:
     # "Received incompatible devices" for the second topology in one
@@ -257,6 +261,7 @@ def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                               images, helpers, load_format)
     finally:  # (the knob, not a substitution: JAX's public config)
         jax.config.update("jax_enable_compilation_cache", cache_was)
+        compilation_cache.reset_cache()
         jax.clear_caches()
 
 
