@@ -125,13 +125,20 @@ class Zygote:
         if not ready.get("ready"):
             raise RuntimeError(f"the server zygote did not start; see "
                                f"{self.preamble}")
-        # The names its imports read (or _ALL), and the key that follows.
+        # The names its imports read (or _ALL) and what they set, and the
+        # key that follows: environments compared as a server's imports
+        # leave them (this process's own may already hold what they set:
+        # a test here imported tpu-inference).
         self.read = ready["read"] if ready["read"] == _ALL else \
             frozenset(ready["read"])
-        self.key = key(env, self.read)
+        self.imported = ready["imported"]
+        self.key = self._key(env)
+
+    def _key(self, env: dict[str, str]) -> tuple:
+        return key(_as_imported(env, self.imported), self.read)
 
     def serves(self, env: dict[str, str]) -> bool:
-        return key(env, self.read) == self.key
+        return self._key(env) == self.key
 
     def _read(self) -> dict:
         line = self.process.stdout.readline()
@@ -363,8 +370,8 @@ def _serve(preamble: Path) -> None:
         replies.write(json.dumps(what) + "\n")
         replies.flush()
 
-    reply(ready=True, read=read if read == _ALL else sorted(
-        name for name in read if isinstance(name, str)))
+    reply(ready=True, imported=imported, read=read if read == _ALL else
+          sorted(name for name in read if isinstance(name, str)))
     for line in requests:
         request = json.loads(line)
         while True:  # reap what has exited
