@@ -310,21 +310,23 @@ def test_w4a16_config_disagreeing_with_tensors_names_the_module(
 
 
 def test_int4_overrides_for_a_checkpoint_keeps_off_grid_modules_bf16(
-        plugin, int4_checkpoints, tmp_path):
+        plugin, int4_checkpoints, tmp_path, capsys):
     import json
-    import subprocess
+
+    from vllm_gemma_qat import cli
     off = "model.language_model.layers.2.mlp.up_proj"
     path = _edited_copy(int4_checkpoints["q4_0"], tmp_path / "q4",
                         _push_off_grid(off + ".weight"))
-    out = subprocess.run([shutil.which("vllm-gemma-qat"), "int4-overrides",
-                          str(path)], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
+    capsys.readouterr()
+    # `vllm-gemma-qat int4-overrides PATH`, in this process.
+    returncode = cli.main(["int4-overrides", str(path)])
+    out = capsys.readouterr()
+    assert returncode == 0, out.err
     gate = off.removesuffix("up_proj") + "gate_proj"
     assert re.search(rf"stays bf16: {re.escape(off)}\.weight: 1 group\(s\) "
-                     r"off the int4 grid, first row 3 group 1", out.stderr)
-    assert f"stays bf16: {gate} (fused with" in out.stderr
-    overrides = json.loads(out.stdout)
+                     r"off the int4 grid, first row 3 group 1", out.err)
+    assert f"stays bf16: {gate} (fused with" in out.err
+    overrides = json.loads(out.out)
     assert overrides["quantization_config"]["ignore"][-2:] == [off, gate]
     model, config, mesh = _load("q4_0", path, overrides)
     report = geometry.check(checkpoint.open_checkpoint(path))

@@ -188,10 +188,7 @@ def test_plugin_detects_fixed_tpu_inference_and_still_loads(patched, tiny_models
     assert "tpu-inference already builds no K/V" in out.stdout + out.stderr
     # 0008: the plugin's sliding-window fix sees the packing and steps
     # aside (it would pack the rows a second time).
-    check = ("from vllm_gemma_qat.fixes import sliding_window\n"
-             "print('packs', sliding_window._upstream_packs())")
-    out = _run(["-c", check], patched)
-    assert out.returncode == 0 and "packs True" in out.stdout, out.stderr
+    assert "packs True" in out.stdout, out.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")

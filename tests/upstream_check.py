@@ -3,6 +3,7 @@
     python upstream_check.py stock <ckpt>...   # stock `auto`, plugin not loaded
                                                # (+ the last one in bfloat16)
     python upstream_check.py plugin <ckpt>...  # gemma_qat with the plugin
+                                               # (+ whether it sees 0008)
 
 A checkpoint directory is named GEOMETRY-LAYOUT (tests/test_upstream_patch.py);
 layout "bare": QAT, the text-only model as transformers saves it.
@@ -51,6 +52,9 @@ def main(mode, paths):
         print(f"ok {mode} {load_format} {geometry} {layout} max|dlogit|={diff:.2e}")
     if mode == "stock":
         check_served_in_bfloat16(paths[-1], prompt, hf, ref)
+    else:  # does the plugin's sliding-window fix see upstream's packing?
+        from vllm_gemma_qat.fixes import sliding_window
+        print("packs", sliding_window._upstream_packs())
 
 
 def check_served_in_bfloat16(path, prompt, hf, ref):
