@@ -336,8 +336,8 @@ def _imports_changed(before: dict, after: dict) -> dict:
 def _as_imported(env: dict, imported: dict) -> dict:
     """`env` as a fresh server's imports leave it: a value they prepend to
     (tpu-inference's XLA_FLAGS) prepended to this server's own, any other
-    set as they set it (the zygote's environment equals the server's in
-    every keyed name)."""
+    set as they set it (the zygote's environment, so left, equals the
+    server's in every keyed name: `Zygote.serves`)."""
     env = dict(env)
     for name, (before, after) in imported.items():
         if after is None:
