@@ -150,3 +150,20 @@ def test_a_zygote_is_keyed_by_what_its_imports_read():
     assert zygote._WatchedEnviron.read == zygote._ALL
     assert zygote.key(dict(environ, VLLM_RUN_TIME="2"), zygote._ALL) != \
         zygote.key(environ, zygote._ALL)
+
+
+def test_a_zygote_serves_an_environment_as_its_imports_leave_it():
+    # A process that imported tpu-inference itself holds what the imports
+    # set: served. A value of the server's own for such a name: not.
+    from vllm_gemma_qat.cpu import zygote
+    pre = {"JAX_PLATFORMS": "cpu", "VLLM_READ": "1"}
+    imported = zygote._imports_changed(
+        pre, dict(pre, LIBTPU_INIT_ARGS="--imports ", XLA_FLAGS="--avx2 "))
+    z = object.__new__(zygote.Zygote)
+    z.read, z.imported = frozenset({"VLLM_READ"}), imported
+    z.key = z._key(pre)
+    assert z.serves(pre)
+    assert z.serves(dict(pre, LIBTPU_INIT_ARGS="--imports ",
+                         XLA_FLAGS="--avx2 --devices=4", VLLM_UNREAD="x"))
+    assert not z.serves(dict(pre, LIBTPU_INIT_ARGS="--own"))
+    assert not z.serves(dict(pre, VLLM_READ="2"))

@@ -58,19 +58,20 @@ _OWNER = os.getpid()  # not a child forked from this process
 _MOST = 2  # zygotes kept per process (each holds ~1.5 GB of imports)
 
 
+def keyed(name: str, read: frozenset[str] | str = _ALL) -> bool:
+    if name in _NOT_KEYED:
+        return False
+    if name.startswith(_ALWAYS_KEYED):
+        return True
+    return name.startswith(_KEYED_IF_READ) and (read == _ALL or name in read)
+
+
 def key(env: dict[str, str], read: frozenset[str] | str = _ALL) -> tuple:
     """What a zygote whose imports read `read` (names, or _ALL) must agree
     on with a server's environment `env`."""
-    def keyed(name: str) -> bool:
-        if name in _NOT_KEYED:
-            return False
-        if name.startswith(_ALWAYS_KEYED):
-            return True
-        return name.startswith(_KEYED_IF_READ) and (read == _ALL or
-                                                    name in read)
-    names = {n for n in env if keyed(n)}
+    names = {n for n in env if keyed(n, read)}
     if read != _ALL:
-        names |= {n for n in read if keyed(n)}  # unset there: unset here
+        names |= {n for n in read if keyed(n, read)}  # unset there: here too
     return tuple(sorted((n, env.get(n)) for n in names))
 
 
@@ -138,6 +139,11 @@ class Zygote:
         return key(_as_imported(env, self.imported), self.read)
 
     def serves(self, env: dict[str, str]) -> bool:
+        # What the imports set is as the zygote had it before them, or as
+        # they left it (not a value of the server's own they would keep).
+        for name, (before, after) in self.imported.items():
+            if keyed(name, self.read) and env.get(name) not in (before, after):
+                return False
         return self._key(env) == self.key
 
     def _read(self) -> dict:
