@@ -143,6 +143,12 @@ def test_a_zygote_is_keyed_by_what_its_imports_read():
                       read) == k
     assert zygote.key(dict(environ, VLLM_IMPORT_TIME="b"), read) != k
     assert zygote.key(dict(environ, HF_NOT_SET="1"), read) != k
+    # One read to keep only its own prefix iterates (and `items()` looks
+    # every name up): nothing counts as read.
+    with zygote._watching_reads():
+        exec("{k: v for k, v in os.environ.items() if k.startswith('TQDM_')}",
+             {"__name__": "tqdm.utils", "os": os})
+    assert zygote._WatchedEnviron.read == set()
     # An import that iterates over the environment (here: this test, not
     # one read to keep only its own prefix) makes every name count.
     with zygote._watching_reads():

@@ -256,19 +256,29 @@ class _WatchedEnviron(os._Environ):
     read: set[str] | str = set()
 
     def __getitem__(self, name):
-        if _WatchedEnviron.read != _ALL:
+        # (`items()` looks each name up: not a read where the iteration is
+        # harmless)
+        if _WatchedEnviron.read != _ALL and not _harmless(_caller()):
             _WatchedEnviron.read.add(name)
         return super().__getitem__(name)
 
     def __iter__(self):
-        frame = sys._getframe(1)
-        while frame and frame.f_globals.get("__name__") in (
-                "os", "collections.abc", "_collections_abc"):
-            frame = frame.f_back
-        if not frame or frame.f_globals.get("__name__") not in \
-                _ITERATE_HARMLESSLY:
+        if not _harmless(_caller()):
             _WatchedEnviron.read = _ALL
         return super().__iter__()
+
+
+def _caller() -> str | None:
+    """The module that asked os.environ (past os and collections.abc)."""
+    frame = sys._getframe(2)
+    while frame and frame.f_globals.get("__name__") in (
+            "os", "collections.abc", "_collections_abc"):
+        frame = frame.f_back
+    return frame.f_globals.get("__name__") if frame else None
+
+
+def _harmless(module: str | None) -> bool:
+    return module in _ITERATE_HARMLESSLY
 
 
 @contextlib.contextmanager
