@@ -65,48 +65,41 @@ def test_every_startup_program_compiles(compiled):
     report, _ = compiled
     failed = [(p.label, p.error) for p in report.programs if not p.ok]
     assert not failed
-    # The runner's buckets for these flags: one token bucket (16), one
-    # request bucket (8): the step, compute_logits, and sample with and
-    # without sampling parameters and logprobs.
-    # A multimodal model's image programs after the step, as the runner
-    # compiles them: the vision encoder (one image: the vision tower is not
-    # data-parallel here; tiny.py's default_output_length 16 x 3^2 patches),
-    # the embedding merge with and without image embeddings, the step with
-    # input embeddings (at the largest request bucket).
+    # What the runner precompiles for these flags (one token bucket, 16;
+    # one request bucket, 8), in its order and under its names: sampling
+    # and the logprob gathers before the KV cache is allocated
+    # (TPUWorker.initialize_from_config), then capture_model: the step, a
+    # multimodal model's image programs (the embedding merge with and
+    # without image embeddings, the step with input embeddings), the
+    # placeholder substitution of async scheduling, the logits selection,
+    # compute_logits and structured decoding's grammar bitmask.
+    sample = [f"worker0 sample(num_reqs=8, do_sampling={s}, logprobs={lp}, "
+              "allow_distributed_sampling=1)" for s in (1, 0) for lp in (1, 0)
+              ] if report.tp > 1 else []
     images = [
-        "vision_encoder(images=1, patches=144)",
         "input_embeddings_merger(num_tokens=16)",
         "input_embeddings_merger_text_only(num_tokens=16)",
-        "step_with_embeds(num_tokens=16, num_reqs=8)",
+        "worker0 backbone with embeds(num_tokens=16, num_reqs=8)",
     ] if "e2b" in str(compiled[1]) else []
-    assert [p.label for p in report.programs] == [
-        "step(num_tokens=16, num_reqs=8)"] + images + [
-        "compute_logits(num_reqs=8)"] + [
-        f"sample(num_reqs=8, do_sampling={s}, logprobs={lp})"
-        for s in (1, 0) for lp in (1, 0) if report.tp > 1] + [
-        # the runner's small helpers (async scheduling is on)
-        "substitute_placeholder_token(num_tokens=8, next_tokens=8, "
-        "ids_split=1, next_split=1)",
-        "substitute_placeholder_token(num_tokens=8, next_tokens=8, "
-        "ids_split=1, next_split=0)",
-        "substitute_placeholder_token(num_tokens=16, next_tokens=16, "
-        "ids_split=1, next_split=1)",
-        "substitute_placeholder_token(num_tokens=16, next_tokens=8, "
-        "ids_split=1, next_split=0)",
-        "select_from_array(of=hidden, rows=16, indices=8)",
-        "gather_logprobs(num_reqs=8)",
-        "gather_prompt_logprobs(num_tokens=16)",
-        # _precompile_structured_decoding: the grammar bitmask per request
-        # bucket
+    assert [p.label for p in report.programs] == sample + [
+        "worker0 gather_logprobs(num_reqs=8)",
+        "worker0 compute_and_gather_prompt_logprobs(num_tokens=16)",
+        "worker0 backbone(num_tokens=16, num_reqs=8)"] + images + [
+        "_substitute_placeholder_token_fn(num_tokens=8, next_tokens_size=8)",
+        "_substitute_placeholder_token_fn(num_tokens=8, next_tokens_size=8)",
+        "_substitute_placeholder_token_fn(num_tokens=16, "
+        "next_tokens_size=16)",
+        "_substitute_placeholder_token_fn(num_tokens=16, next_tokens_size=8)",
+        "select_from_array [worker0 select all logits](array_size=16, "
+        "index_size=8)",
+        "worker0 compute_logits(num_reqs=8)",
         "structured_decode(num_reqs=8)"]
-    # The vision tower's attention is a Pallas kernel (flash attention):
-    # lowered through Mosaic for the TPU, as the step's RPA is.
-    step = report.programs[0]
-    by_name = {p.name: p for p in report.programs}
-    if images:
-        assert by_name["vision_encoder"].mosaic_calls >= 1
-        assert by_name["step_with_embeds"].mosaic_calls == step.mosaic_calls
-    assert step.mosaic_calls > 0
+    step = next(p for p in report.programs if p.name == "worker0 backbone")
+    if images:  # the same attention kernels with input embeddings
+        with_embeds = next(p for p in report.programs
+                           if p.name == "worker0 backbone with embeds")
+        assert with_embeds.mosaic_calls == step.mosaic_calls
+    assert step.mosaic_calls > 0  # RPA v3 (and gmm_v2), lowered by Mosaic
     assert step.temp_bytes > 0 and step.code_bytes > 0 and step.flops > 0
     assert step.est_seconds and step.est_seconds > 0
     assert step.kv_read_bytes > 0  # added by arithmetic (RPA declares none)
@@ -138,10 +131,11 @@ def test_report_for_people_and_tools(compiled, capsys):
     report, _ = compiled
     data = json.loads(json.dumps(report.as_dict()))
     assert data["all_compiled"] and data["fits"]
-    assert data["programs"][0]["name"] == "step"
+    assert "worker0 backbone" in [p["name"] for p in data["programs"]]
     cli._print_compile(report)
     out = capsys.readouterr().out
-    assert re.search(r"step\(num_tokens=16, num_reqs=8\) +compiled", out)
+    assert re.search(r"worker0 backbone\(num_tokens=16, num_reqs=8\) +"
+                     "compiled", out)
     assert "verdict          fits" in out
 
 
@@ -157,11 +151,12 @@ def _compile_step_on_v5e(checkpoints, capfd, utilization):
 
 def test_what_does_not_fit_says_so(checkpoints, capfd):
     # 0.01% of a v5e chip's 16 GiB is less than the weights: no KV cache.
+    # tpu-inference's own refusal, as `vllm serve` would print it.
     rc, out = _compile_step_on_v5e(checkpoints, capfd, "0.0001")
     assert rc == 1, out
     assert "verdict          does NOT fit" in out
-    assert "fewer than one request's --max-model-len 256" in out
-    assert "compiled" in out  # compiled anyway, with one request's pages
+    assert re.search(r"vLLM does not start: total_hbm_used_gb=[\d.]+GiB "
+                     r"exceeds total_hbm_limit_cap_gb=[\d.]+GiB", out), out
 
 
 def test_out_of_hbm_exits_1_naming_the_program_and_the_memory(checkpoints,
@@ -170,7 +165,8 @@ def test_out_of_hbm_exits_1_naming_the_program_and_the_memory(checkpoints,
     # the TPU compiler's own out-of-memory error, named with the program.
     rc, out = _compile_step_on_v5e(checkpoints, capfd, "0.9999")
     assert rc == 1, out
-    assert re.search(r"the TPU compiler on step\(num_tokens=16, num_reqs=8\):"
+    assert re.search(r"the TPU compiler on worker0 backbone\(num_tokens=16, "
+                     r"num_reqs=8\):"
                      r".*RESOURCE_EXHAUSTED: Ran out of memory on HBM, the "
                      r"total memory required .*\(\d+\.\d+G\) exceeds "
                      r"available HBM \(\d+\.\d+G\)", out), out
@@ -185,17 +181,18 @@ def test_a_multi_host_slice_compiles_tp_across_hosts(checkpoints):
                            helpers=False, **FLAGS)
     assert report.hosts == 2
     assert [(p.label, p.ok) for p in report.programs] == [
-        ("step(num_tokens=16, num_reqs=8)", True)]
+        ("worker0 backbone(num_tokens=16, num_reqs=8)", True)]
     assert report.fits and not report.disagreements
 
 
 def test_the_assistants_drafter_programs_compile(checkpoints, tmp_path,
                                                 capfd):
-    """--assistant: the Gemma 4 assistant built as tpu-inference's proposer
-    loads it, its programs compiled as `_precompile_mtp_helpers` compiles
-    them (the tiny E2B-like target packs sliding KV: the drafter reads two
-    cache groups), and its weights per chip as `plan --assistant` counts
-    them (TP=1: nothing split)."""
+    """--assistant: the Gemma 4 assistant loaded by tpu-inference's
+    proposer in the runner, the runner's speculative-decoding programs
+    compiled (`_precompile_mtp_helpers` and the rest; the tiny E2B-like
+    target packs sliding KV: the drafter reads two cache groups), and its
+    weights per chip as `plan --assistant` counts them (TP=1: nothing
+    split)."""
     import torch
 
     from vllm_gemma_qat.testing import assistant
@@ -214,54 +211,49 @@ def test_the_assistants_drafter_programs_compile(checkpoints, tmp_path,
     # come before the report
     report = json.loads(out[out.index("{\n \"model\""):])
     assert all(p["ok"] for p in report["programs"])
-    main = ("step", "compute_logits", "drafter_propose",
-            "drafter_prepare_inputs")
-    assert [(p["name"], p["shape"], p["ok"]) for p in report["programs"]
-            if p["name"] in main] \
-        == [("step", {"num_tokens": 16, "num_reqs": 8}, True)] + [
-        # every position a request may verify: 8 requests x (2 + 1)
-        ("compute_logits", {"num_reqs": n}, True) for n in (8, 16, 32)] + [
-        ("drafter_propose", {"num_tokens": 16, "num_reqs": 8, "k": 2}, True),
-        ("drafter_prepare_inputs", {"num_tokens": 16, "num_reqs": 8}, True)]
-    # The helpers at speculative decoding's shapes: the bonus and target
-    # logits selected, logprobs over logits + bonus rows.
-    helpers = [(p["name"], p["shape"]) for p in report["programs"]
-               if p["name"] not in main]
-    assert ("select_from_array", {"of": "target logits", "rows": 32,
-                                  "indices": 32}) in helpers
-    assert ("select_from_array", {"of": "bonus logits", "rows": 32,
-                                  "indices": 8}) in helpers
-    assert ("gather_logprobs", {"num_logits": 32, "num_reqs": 8}) in helpers
-    assert ("substitute_placeholder_token", {
-        "num_tokens": 32, "next_tokens": 24, "ids_split": False,
-        "next_split": True}) in helpers
-    # speculative decoding's own programs (_precompile_speculative_decoding
-    # and, async scheduling being on, the rejected-token bookkeeping), at
-    # the runner's buckets: logits 8, 16, 32 x requests 8, tokens 16
+    programs = [(p["name"], p["shape"]) for p in report["programs"]]
+    # The runner's programs for speculative decoding with k=2, at its
+    # buckets: tokens 16, requests 8, logits 8 / 16 / 32 (every position 8
+    # requests may verify: 8 x (2 + 1), padded), under its own names.
     logits = (8, 16, 32)
-    spec = [(name, {"num_logits": n, "num_reqs": 8}) for n in logits
-            for name in ("greedy_rejection_sampler",
-                         "random_rejection_sampler")] + [
-        ("extract_last_sampled_tokens", {"num_logits": n, "num_reqs": 8})
-        for n in logits] + [
-        ("extract_draft_token_ids", {"num_tokens": 16, "num_logits": n})
-        for n in (8, 16)] + [  # no more logits than tokens
-        (name, {"num_logits": n, "num_reqs": 8}) for name in (
-            "process_and_extend_logits", "extend_logits_simple")
-        for n in logits] + [
-        ("subtract_num_rejected_tokens", {"num_tokens": 16}),
-        ("concat_last_sampled_and_draft_tokens", {"num_reqs": 8, "k": 2}),
+    expected = [
+        ("worker0 backbone", {"num_tokens": 16, "num_reqs": 8}),
+        # the assistant's own: its k draft steps over the target's KV
+        # cache, and its inputs
+        ("drafter_propose", {"num_tokens": 16}),
+        ("drafter_prepare_inputs", {"num_tokens": 16}),
+        ("_subtract_num_rejected_tokens_fn", {"num_tokens": 16}),
+        ("worker0 concat_last_sampled_tokens_and_draft_tokens",
+         {"max_num_reqs": 8, "num_spec_tokens": 2}),
+        ("worker0 compute_and_gather_prompt_logprobs", {"num_tokens": 16}),
+        ("worker0 gather_logprobs", {"num_reqs": 8}),
         ("structured_decode", {"num_reqs": 8})] + [
-        ("select_from_array", {"of": f"spec {what} logits", "rows": n,
-                               "indices": count})
-        for n in logits for what, count in (("bonus", 8), ("target", n))]
-    # every program of those names, at exactly these shapes (spec
-    # selections only among select_from_array's)
-    names = {name for name, _ in spec}
-    assert sorted(map(repr, spec)) == sorted(
-        repr(h) for h in helpers
-        if h[0] in names - {"select_from_array"}
-        or h[0] == "select_from_array" and h[1]["of"].startswith("spec "))
+        ("worker0 compute_logits", {"num_reqs": n}) for n in logits] + [
+        ("worker0 gather_logprobs_spec", {"num_logits": n, "num_reqs": 8})
+        for n in logits] + [
+        (f"worker0 {kind}_rejection_sampler", {
+            "num_logits": n, "num_reqs": 8, "do_sampling": kind == "random"})
+        for n in logits for kind in ("greedy", "random")] + [
+        (f"worker0 {name}", {"num_logits": n, "num_reqs": 8})
+        for n in logits for name in (
+            "extract_last_sampled_tokens", "_process_and_extend_logits",
+            "_extend_logits_simple", "select_bonus_logits")] + [
+        ("worker0 select_target_logits", {"num_logits": n}) for n in logits
+    ] + [  # no more logits than tokens
+        ("worker0 extract_draft_token_ids", {"num_tokens": 16,
+                                             "num_logits": n})
+        for n in (8, 16)] + [
+        ("select_from_array [worker0 select all logits]",
+         {"array_size": 16, "index_size": n}) for n in (8, 16)] + [
+        ("select_from_array [worker0 select bonus tokens for spec decoding]",
+         {"array_size": n, "index_size": 8}) for n in logits] + [
+        ("select_from_array [worker0 select target tokens for spec "
+         "decoding]", {"array_size": n, "index_size": n}) for n in logits
+    ] + [  # async scheduling: the placeholder for the k + 1 tokens
+        ("_substitute_placeholder_token_fn",
+         {"num_tokens": n, "next_tokens_size": 24}) for n in (8, 16) * 2
+        + (32, )]
+    assert sorted(map(repr, programs)) == sorted(map(repr, expected))
     assert report["num_speculative_tokens"] == 2
     assert not report["disagreements"] and report["fits"]
     plan = json.loads(_cli(["plan", str(target), "--context", "256",

@@ -75,7 +75,7 @@ def test_compile_bench_smoke(tmp_path, monkeypatch):
     report = config["report"]
     assert report["all_compiled"], report["programs"]
     assert [(p["name"], p["shape"]) for p in report["programs"]] == [
-        ("step", {"num_tokens": 16, "num_reqs": 8})]
+        ("worker0 backbone", {"num_tokens": 16, "num_reqs": 8})]
     assert report["programs"][0]["est_seconds"] > 0
     assert report["weight_bytes"] > 0 and report["kv_bytes"] > 0
     md = (tmp_path / "results.md").read_text()

@@ -385,8 +385,8 @@ def _print_compile(r) -> None:
           f"{_size(r.hbm_bytes)}")
     for d in r.disagreements:
         print(f"  DISAGREES with plan: {d}")
-    verdict = "fits" if r.fits else "does NOT fit" if r.all_compiled \
-        else "does NOT compile"
+    verdict = "fits" if r.fits else "does NOT compile" if any(
+        not p.ok for p in r.programs) else "does NOT fit"
     print(f"verdict          {verdict}" + "".join(
         f"\n  {w}" for w in r.why_not))
     for c in r.caveats:

@@ -1,0 +1,318 @@
+"""The engine's start-up, run for a TPU topology on a machine without one.
+
+`start` runs what `vllm serve` runs in its engine core before it serves:
+vLLM's `UniProcExecutor` starts tpu-inference's `TPUWorker` (on the
+topology's chips, as libtpu describes them), which builds the runner and
+the model; then `EngineCore._initialize_kv_caches`: the KV cache specs the
+runner declares (gemma_qat's included), tpu-inference's
+`determine_available_memory` (HBM x utilization minus what the chips
+hold), vLLM's `get_kv_cache_configs`, the runner's sampling precompile
+before the KV cache and its `capture_model` after. Every program the
+runner hands `CompilationManager._run_compilation` is lowered and compiled
+by libtpu for the topology and recorded under the runner's own name and
+signature, as its `Precompile NAME --> {...}` log line names it. Nothing
+executes: there is no TPU.
+
+What it changes to run without a TPU, only while it runs:
+- `TPUWorker.__init__`: its devices are the topology's (the worker would
+  take `jax.devices()`, the host's CPU).
+- `tpu_inference.utils.general_device_put` (behind `device_array`): an
+  abstract array (shape, dtype, sharding) in place of a transfer.
+- `compilation_manager.jnp`: its dummy values (`jnp.ones` / `zeros` /
+  `array`, all made outside a trace) on the host, numpy's.
+- `tpu_inference.utils.hbm_usage_bytes`: per chip, the bytes the runner's
+  abstract arrays hold and the chip's HBM (a TPU reports them).
+- `CompilationManager._run_compilation`: lower and compile, record; a
+  function that is not a jit (the runner compiles it by calling it in its
+  warm-up) is compiled as the jit it calls: the step jit that
+  `get_flax_model`'s `model_fn` resolves, else `jax.jit` of the function.
+- `CompilationManager._flush_compilations`: no warm-up calls.
+- `TPUModelRunner.load_model`: records the runner (for the HBM count).
+The scheduler, which `EngineCore.__init__` builds next, is not: it needs
+the tokenizer, and compile reads configs only.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+from vllm_gemma_qat.aot.report import Program
+
+
+@dataclass
+class Started:
+    runner: object | None = None
+    kv_cache_config: object | None = None
+    programs: list = field(default_factory=list)
+    # vLLM's or tpu-inference's refusal to start (no room for the KV cache)
+    refused: str | None = None
+    # per step program (label): the arguments the compiled program keeps
+    # (XLA drops unused ones), see `kept_arguments`
+    step_arguments: dict = field(default_factory=dict)
+
+
+class Recorder:
+    """Lowers, compiles and records what the runner precompiles; `select`
+    (a Program -> bool) leaves the others out (not compiled, not listed)."""
+
+    def __init__(self, select, log):
+        self.select = select
+        self.log = log
+        self.started = Started()
+
+    @property
+    def mesh(self):
+        return getattr(self.started.runner, "mesh", None)
+
+    def run_compilation(self, manager, name, fn, *args, call_kwargs=None,
+                        warmup_handler=None, aot=True, compile_only=False,
+                        **kwargs):
+        import jax
+        from tpu_inference.runner.compilation_manager import \
+            _describe_signature
+        prog = Program(name, _describe_signature(kwargs))
+        if not self.select(prog):
+            return
+        call_kwargs = dict(call_kwargs or {})
+        while isinstance(fn, functools.partial):  # as the runner unwraps
+            args = fn.args + args
+            call_kwargs = {**fn.keywords, **call_kwargs}
+            fn = fn.func
+        started = time.perf_counter()
+        self.log(f"compiling {prog.label}")
+        try:
+            with jax.set_mesh(manager.runner.mesh):
+                if not hasattr(fn, "lower"):
+                    fn, args, call_kwargs = _the_jit_it_calls(fn, args,
+                                                              call_kwargs)
+                lowered = fn.lower(*args, **call_kwargs)
+                compiled = lowered.compile()
+        except Exception as e:  # the TPU compiler's error, named
+            prog.error = f"{type(e).__name__}: {str(e).strip()[:2000]}"
+            prog.compile_s = time.perf_counter() - started
+            self.log(f"FAILED {prog.label}: {prog.error.splitlines()[0]}")
+        else:
+            prog.compile_s = time.perf_counter() - started
+            prog.record(compiled)
+            self.log(f"compiled {prog.label} in {prog.compile_s:.1f} s")
+            if prog.is_step:
+                self.started.step_arguments[prog.label] = \
+                    kept_arguments(lowered, compiled)
+        self.started.programs.append(prog)
+
+
+class _Called(Exception):
+    """Stops a warm-up call at the jit it makes (see `_the_jit_it_calls`)."""
+
+    def __init__(self, jit, args, kwargs):
+        self.jit, self.args, self.kwargs = jit, args, kwargs
+
+
+def _the_jit_it_calls(fn, args, call_kwargs):
+    """(jit, args, kwargs): the program the runner's warm-up call of `fn`
+    (not a jit) would compile.
+    - `get_flax_model`'s `model_fn` (it picks the step jit for the KV caches
+      it is given): that jit, with the arguments the runner passes.
+    - A method whose object's class holds jits (the proposer's `propose`,
+      `prepare_inputs`): the method is called, its host-side prologue run,
+      until it calls one of them; that call's arguments.
+    - Any other function: the function as one jit."""
+    import jax
+    code = getattr(fn, "__code__", None)  # else a callable object
+    cells = {} if code is None else dict(zip(
+        code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    if "_resolve_step_fn" in cells:
+        call_kwargs = {k: v for k, v in call_kwargs.items()
+                       if k != "shared_attention_metadata"}  # as it drops
+        return cells["_resolve_step_fn"](args[1], True), args, call_kwargs
+    if getattr(fn, "__name__", None) == "wrapped_model_fn":
+        from vllm_gemma_qat.substitute import MissingTarget
+        raise MissingTarget(
+            "tpu_inference.models.common.model_loader:get_flax_model's "
+            "model_fn no longer resolves its jit through _resolve_step_fn")
+    owner = getattr(fn, "__self__", None)
+    jits = [] if owner is None else [
+        name for name in dir(type(owner))
+        if hasattr(getattr(type(owner), name, None), "lower")]
+    if jits:
+        def stop_at(name):
+            def called(*a, **kw):
+                raise _Called(getattr(type(owner), name), (owner, *a), kw)
+            return called
+        for name in jits:
+            setattr(owner, name, stop_at(name))
+        try:
+            fn(*args, **call_kwargs)
+        except _Called as call:
+            return call.jit, call.args, call.kwargs
+        finally:
+            for name in jits:
+                delattr(owner, name)
+        raise RuntimeError(f"{fn.__qualname__} called none of its class's "
+                           f"jits ({', '.join(jits)})")
+    return jax.jit(fn), args, call_kwargs
+
+
+def kept_arguments(lowered, compiled) -> list:
+    """(index among the jit's flattened non-static arguments, abstract
+    array with the sharding it is compiled for) for each argument the
+    compiled program keeps."""
+    import jax
+    kept = sorted(lowered._lowering.compile_args["kept_var_idx"])
+    infos = jax.tree.leaves(lowered.args_info)
+    return [(i, jax.ShapeDtypeStruct(infos[i].shape, infos[i].dtype,
+                                     sharding=sharding))
+            for i, sharding in zip(kept, jax.tree.leaves(
+                compiled.input_shardings))]
+
+
+def _abstract(tree, sharding, mesh):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    if isinstance(sharding, PartitionSpec):  # as device_put: the mesh's
+        sharding = NamedSharding(mesh, sharding)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        tree)
+
+
+class HostJnp:
+    """jax.numpy, but `ones`, `zeros` and `array` are numpy's (the same
+    values on the host)."""
+
+    def __getattr__(self, name):
+        import jax.numpy as jnp
+        return getattr(jnp, name)
+
+    @staticmethod
+    def ones(shape, dtype=None):
+        import numpy as np
+        return np.ones(shape, dtype=dtype)
+
+    @staticmethod
+    def zeros(shape, dtype=None):
+        import numpy as np
+        return np.zeros(shape, dtype=dtype)
+
+    @staticmethod
+    def array(value, dtype=None):
+        import numpy as np
+        return np.array(value, dtype=dtype)
+
+
+def unique_leaves(tree) -> list:
+    """The tree's leaves, each array once (a leaf shared by two parts, the
+    target's embedding in the drafter's state, is one buffer)."""
+    import jax
+    seen, out = set(), []
+    for x in jax.tree.leaves(tree):
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
+
+
+def bytes_per_device(arrays) -> dict:
+    """device id -> bytes of the arrays' shards on it (int4: two a byte)."""
+    import jax
+    import numpy as np
+    held: dict = {}
+    for x in unique_leaves(arrays):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None:
+            continue
+        shard = sharding.shard_shape(x.shape)
+        size = int(np.prod(shard)) * x.dtype.itemsize \
+            if x.dtype.name != "int4" else int(np.prod(shard)) // 2
+        for device in sharding.device_set:
+            held[device.id] = held.get(device.id, 0) + size
+    return held
+
+
+def bytes_on(arrays, device_id) -> int:
+    """Bytes of the arrays' shards on one device."""
+    return bytes_per_device(arrays).get(device_id, 0)
+
+
+def substitutions(recorder: Recorder, devices, hbm_bytes: int) -> list:
+    from vllm_gemma_qat.substitute import Substitution
+    manager = "tpu_inference.runner.compilation_manager:CompilationManager"
+
+    def worker_init(original):
+        def init(self, *args, **kwargs):
+            kwargs.setdefault("devices", list(devices))
+            kwargs.pop("shared_worker_lock", None)  # vLLM's, not the worker's
+            return original(self, *args, **kwargs)
+        return init
+
+    def load_model(original):
+        def load(self):
+            original(self)
+            recorder.started.runner = self
+        return load
+
+    def hbm_usage_bytes(chips):
+        runner = recorder.started.runner
+        held = {} if runner is None else bytes_per_device(
+            [runner.state, runner.kv_caches,
+             getattr(getattr(runner, "drafter", None), "state", None)])
+        return [(held.get(d.id, 0), hbm_bytes) for d in chips]
+
+    def run_compilation(self, name, fn, *args, **kwargs):
+        return recorder.run_compilation(self, name, fn, *args, **kwargs)
+
+    def no_warmup(self):
+        self._compile_futures, self._warmup_tasks = [], []
+
+    return [
+        Substitution("tpu_inference.worker.tpu_worker:TPUWorker.__init__",
+                     worker_init, "the worker's devices are the topology's "
+                     "(it would take jax.devices(), the host's CPU)",
+                     wraps=True),
+        Substitution("tpu_inference.runner.tpu_runner:TPUModelRunner."
+                     "load_model", load_model, "the runner, recorded for "
+                     "the HBM it holds", wraps=True),
+        Substitution("tpu_inference.utils:general_device_put",
+                     lambda tensor, sharding=None, **_: _abstract(
+                         tensor, sharding, recorder.mesh),
+                     "an abstract array (shape, dtype, sharding) for a "
+                     "transfer to chips that are not here"),
+        Substitution("tpu_inference.runner.compilation_manager:jnp",
+                     HostJnp(), "the precompile's dummy values (jnp.ones / "
+                     "zeros / array, made outside any trace) on the host: "
+                     "jax.numpy would place them on the mesh's chips, which "
+                     "are not here; device_array then makes them abstract"),
+        Substitution("tpu_inference.utils:hbm_usage_bytes", hbm_usage_bytes,
+                     "per chip: the bytes the runner's abstract arrays hold "
+                     "and the chip's HBM (what a TPU reports)"),
+        Substitution(f"{manager}._run_compilation", run_compilation,
+                     "lowered and compiled by libtpu for the topology, "
+                     "recorded; nothing runs"),
+        Substitution(f"{manager}._flush_compilations", no_warmup,
+                     "no warm-up calls (nothing can run)"),
+    ]
+
+
+def start(vllm_config, devices, hbm_bytes: int, select, log) -> Started:
+    """The engine core's start-up up to its scheduler, with the runner's
+    precompile compiled for the topology (see the module's docstring)."""
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    from vllm_gemma_qat import substitute
+    recorder = Recorder(select, log)
+    with substitute.applied(substitutions(recorder, devices, hbm_bytes),
+                            "vllm-gemma-qat AOT engine"):
+        # EngineCore.__init__'s steps up to the scheduler (it needs the
+        # tokenizer).
+        core = EngineCore.__new__(EngineCore)
+        core.vllm_config = vllm_config
+        core.available_gpu_memory_for_kv_cache = -1
+        core.model_executor = UniProcExecutor(vllm_config)
+        try:
+            recorder.started.kv_cache_config = \
+                core._initialize_kv_caches(vllm_config)
+        except ValueError as e:  # no room for the KV cache: vLLM says so
+            recorder.started.refused = str(e).strip()
+    return recorder.started
