@@ -315,7 +315,8 @@ def cmd_compile(args) -> int:
             token_buckets=args.token_buckets, assistant=args.assistant,
             num_speculative_tokens=args.num_speculative_tokens,
             images=not args.no_images, helpers=not args.no_helpers,
-            log=log)
+            log=log, hbm_gib=args.hbm_gib,
+            additional_config=args.additional_config)
     except (AotError, MissingTarget) as e:
         if not args.json:
             print(f"error: {e}", file=sys.stderr)
@@ -493,6 +494,14 @@ def main(argv=None) -> int:
                    default=None, help="vLLM's default when not given")
     p.add_argument("--utilization", type=_fraction, default=0.92,
                    help="vLLM --gpu-memory-utilization")
+    p.add_argument("--hbm-gib", type=_positive(float), default=None,
+                   help="memory per chip (default: the topology's, v5e 16, "
+                   "v6e 32)")
+    p.add_argument("--additional-config", type=json.loads, default=None,
+                   metavar="JSON", help="vLLM --additional-config, as "
+                   "`vllm serve` would get it (tpu-inference's options; "
+                   "'{\"vision_warmup_config\": {\"image_shapes\": [[H, "
+                   "W]]}}' precompiles the vision encoder for those images)")
     p.add_argument("--token-buckets", type=lambda t: [int(x) for x in
                                                       t.split(",")],
                    default=None, help="compile only these of the runner's "

@@ -61,8 +61,9 @@ class GemmaQatModelLoader(BaseModelLoader):
         if feed.int4_modules:
             logger.info("gemma_qat: %d q4_0 bf16 linears recovered exactly and "
                         "served as wNa16 int4", len(feed.int4_modules))
-        logger.info("gemma_qat: model weights by dtype: %s",
-                    weights.describe_bytes(weights.param_bytes_by_dtype(model)))
+        by_dtype = weights.param_bytes_by_dtype(model)
+        logger.info("gemma_qat: model weights by dtype: %s (%d bytes)",
+                    weights.describe_bytes(by_dtype), sum(by_dtype.values()))
         kv_share_map = report.geometry.kv_share_map
         if kv_share_map:
             layers = sorted(kv_share_map)

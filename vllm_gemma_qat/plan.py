@@ -39,6 +39,9 @@ from vllm_gemma_qat.geometry import Geometry
 # -> float8_e5m2). No int8: vLLM has no such cache dtype and tpu-inference's
 # attention kernel refuses integer caches.
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# The cache's dtype: one of those, or fp32, what vLLM's kv_cache_dtype
+# "auto" gives under --dtype float32 (compile for CPU mode's flags).
+CACHE_DTYPE_BYTES = KV_DTYPE_BYTES | {"fp32": 4}
 GIB = 1024**3
 # vllm serve's --max-num-batched-tokens on a v6e (v5e: 512) and
 # --max-num-seqs on a TPU.
@@ -146,7 +149,7 @@ def sliding_window_layout(geo: Geometry, kv_dtype: str, tp: int,
 def kv_bytes_per_layer_token(geo: Geometry, layer: int, kv_dtype: str,
                              tp: int = 1) -> int:
     """Bytes one token of `layer` takes on each chip."""
-    nbytes = KV_DTYPE_BYTES[kv_dtype]
+    nbytes = CACHE_DTYPE_BYTES[kv_dtype]
     packing = 4 // nbytes
     heads_per_chip = -(-geo.kv_heads(layer) // tp)
     return (_align(2 * heads_per_chip, packing) *

@@ -1,13 +1,15 @@
 """AOT mode: compile for a TPU topology on a machine without a TPU
 ("deviceless AOT", as MaxText's train_compile.py does), through libtpu.
 
-`vllm-gemma-qat compile MODEL --topology v6e-4 --tp 4` builds tpu-inference's
-own model for the flags `vllm serve MODEL --load-format gemma_qat` would get
-(config only: no weights are read), abstractly, and compiles the programs
-tpu-inference's runner compiles at start-up (`compile.py`). It needs these
-changes to JAX / tpu-inference internals, declared in one table, applied
-only for the duration of a compile (`substitute.applied`); a target missing
-from what is installed stops it with `substitute.MissingTarget`:
+`vllm-gemma-qat compile MODEL --topology v6e-4 --tp 4` runs the engine
+core's start-up for the flags `vllm serve MODEL --load-format gemma_qat`
+would get (config only: no weights are read) on the topology's chips, and
+compiles each program tpu-inference's runner precompiles (`engine.py`;
+the report: `compile.py`, `report.py`). It needs these changes to JAX /
+tpu-inference internals, declared in one table, applied only for the
+duration of a compile (`substitute.applied`; `engine.py` declares those of
+the runner's start-up the same way); a target missing from what is
+installed stops it with `substitute.MissingTarget`:
 
 - `preflight.check_local_checkpoint` (the plugin's own header check where
   vLLM builds its config): vLLM's config comes from a config-only directory;

@@ -20,6 +20,7 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from vllm_gemma_qat.aot import AotError, Topology, substitutions, topology
@@ -69,7 +70,9 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
                   assistant: str | None = None,
                   num_speculative_tokens: int | None = None,
                   images: bool = True, helpers: bool = True,
-                  log=None, load_format: str = "gemma_qat") -> Report:
+                  log=None, load_format: str = "gemma_qat",
+                  hbm_gib: float | None = None,
+                  additional_config: dict | None = None) -> Report:
     """Build and compile; `token_buckets`: compile only these of the
     runner's token buckets (None: all of them); `assistant`: a Gemma 4
     assistant directory served with it (`--speculative-config '{"model":
@@ -78,8 +81,13 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
     compiles them for a multimodal model); `helpers`: the runner's small
     helper programs too; `load_format` "auto": stock tpu-inference (no
     gemma_qat fix; every layer's KV at full context, as 0.32 allocates
-    it)."""
+    it); `hbm_gib`: the memory a chip offers (default: the topology's);
+    `additional_config`: vLLM's --additional-config (tpu-inference's
+    options: `vision_warmup_config`'s image shapes precompile the vision
+    encoder)."""
     topo = topology(topology_name)
+    if hbm_gib:
+        topo = replace(topo, hbm_gib=hbm_gib)
     tp = tp or topo.chips
     if tp > topo.chips:
         raise AotError(f"--tp {tp} needs {tp} chips; {topo.name} has "
@@ -102,7 +110,7 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
             max_num_seqs, max_num_batched_tokens, utilization, logits,
             sampling, token_buckets, log,
             (assistant, num_speculative_tokens) if assistant else None,
-            images, helpers, load_format)
+            images, helpers, load_format, additional_config)
         if assistant:
             report.assistant = assistant
         return report
@@ -114,7 +122,8 @@ def compile_model(target: str, topology_name: str, *, tp: int | None = None,
 def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                          max_model_len, max_num_seqs, max_num_batched_tokens,
                          utilization, logits, sampling, token_buckets, log,
-                         speculative, images, helpers, load_format):
+                         speculative, images, helpers, load_format,
+                         additional_config):
     started = time.perf_counter()
 
     from vllm_gemma_qat import checkpoint, plan as planlib, targets
@@ -160,7 +169,8 @@ def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
                               sampling, token_buckets, log, table, started,
                               geo,
                               plan_weights, config, planlib, speculative,
-                              images, helpers, load_format)
+                              images, helpers, load_format,
+                              additional_config)
     finally:  # (the knob, not a substitution: JAX's public config)
         jax.config.update("jax_enable_compilation_cache", cache_was)
         compilation_cache.reset_cache()
@@ -172,7 +182,7 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                    sampling, token_buckets, log, table, started, geo,
                    plan_weights,
                    config, planlib, speculative, images,
-                   helpers, load_format="gemma_qat") -> Report:
+                   helpers, load_format, additional_config) -> Report:
     from jax.experimental import topologies
 
     from vllm_gemma_qat import substitute
@@ -204,7 +214,6 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
             if weights == "int4" and not config.get("quantization_config")
             else None)
     if load_format != "gemma_qat":  # stock builds the KV-shared layers' K/V
-        from dataclasses import replace
         from vllm_gemma_qat.checkpoint import numel
         plan_weights = replace(plan_weights, tensors={
             n: (2 * numel(shape), numel(shape))
@@ -225,7 +234,7 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
                 vllm_config = _vllm_config(
                     model_dir, tp, weights, kv_dtype, dtype, max_model_len,
                     max_num_seqs, max_num_batched_tokens, utilization, spec,
-                    load_format)
+                    load_format, additional_config)
             except ValueError as e:  # pydantic's ValidationError too
                 raise AotError(f"vLLM refuses these flags for {target}: "
                                f"{_first_error(e)}") from None
@@ -234,9 +243,12 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
             # `plan --tp` for the same flags, weights in the dtype vLLM
             # resolved (--dtype auto: bf16 for a float32 config on TPU).
             served = vllm_config.model_config.dtype
+            # --kv-dtype bf16 is vLLM's "auto": the model's dtype
+            cache = "fp32" if kv_dtype == "bf16" and served.itemsize == 4 \
+                else kv_dtype
             p = planlib.make_plan(
                 geo, plan_weights, agents=max_num_seqs,
-                context=max_model_len, kv_dtype=kv_dtype,
+                context=max_model_len, kv_dtype=cache,
                 hbm_gib=topo.hbm_gib, utilization=utilization, form=weights,
                 tp=tp, dtype_bytes=served.itemsize,
                 max_num_batched_tokens=vllm_config.scheduler_config.
@@ -248,7 +260,7 @@ def _compile_model(target, topo, tp, weights, kv_dtype, dtype, max_model_len,
             p_lm = planlib.make_plan(
                 geo, planlib.Weights(plan_weights.tensors),
                 agents=max_num_seqs, context=max_model_len,
-                kv_dtype=kv_dtype, hbm_gib=topo.hbm_gib,
+                kv_dtype=cache, hbm_gib=topo.hbm_gib,
                 utilization=utilization, form=weights, tp=tp,
                 dtype_bytes=served.itemsize,
                 sliding_window=load_format == "gemma_qat")
@@ -448,7 +460,8 @@ def _first_error(e: Exception) -> str:
 
 def _vllm_config(model_dir, tp, weights, kv_dtype, dtype, max_model_len,
                  max_num_seqs, max_num_batched_tokens, utilization,
-                 speculative_config=None, load_format="gemma_qat"):
+                 speculative_config=None, load_format="gemma_qat",
+                 additional_config=None):
     from vllm.engine.arg_utils import EngineArgs
     args = EngineArgs(model=str(model_dir), load_format=load_format,
                       skip_tokenizer_init=True, tensor_parallel_size=tp,
@@ -457,7 +470,8 @@ def _vllm_config(model_dir, tp, weights, kv_dtype, dtype, max_model_len,
                       max_num_batched_tokens=max_num_batched_tokens,
                       kv_cache_dtype=KV_DTYPES[kv_dtype],
                       gpu_memory_utilization=utilization,
-                      speculative_config=speculative_config)
+                      speculative_config=speculative_config,
+                      additional_config=additional_config or {})
     return args.create_engine_config()
 
 

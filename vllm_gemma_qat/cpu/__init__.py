@@ -24,6 +24,9 @@ of `substitutions()` in this order:
 - `utils.get_device_hbm_limit`: a device-memory size for the CPU
   (VLLM_GEMMA_QAT_CPU_MEMORY_GIB, default 0.1), which the original looks up
   by TPU kind.
+- `utils.pathways_hbm_usage_gb` (what the devices hold, from live arrays,
+  when they report no memory stats): int4 at half a byte a value, as a
+  TPU holds it (the CPU backend keeps a byte per value).
 
 `VLLM_GEMMA_QAT_CPU_KERNELS=interpret` runs the real ragged paged attention
 and `gmm_v2` kernels in Pallas TPU interpret mode instead of the first and
@@ -177,7 +180,33 @@ def runtime_substitutions() -> list:
         Substitution("tpu_inference.utils:get_device_hbm_limit",
                      lambda: budget, f"CPU devices have no HBM size "
                      f"({CPU_MEMORY_ENV}: {budget / 2**30:g} GiB)"),
+        Substitution("tpu_inference.utils:pathways_hbm_usage_gb",
+                     live_bytes_as_on_a_tpu, "the memory CPU devices hold, "
+                     "counted from live arrays as the original counts it "
+                     "(CPU devices report no usage), but int4 at half a "
+                     "byte a value, as TPU HBM holds it (the CPU backend "
+                     "keeps a byte per value): the KV cache gets the pages "
+                     "it would on a TPU"),
     ]
+
+
+def live_bytes_as_on_a_tpu(devices) -> list[tuple[int, int]]:
+    """tpu_inference.utils.pathways_hbm_usage_gb (bytes, despite its name),
+    int4 buffers at half a byte a value."""
+    import jax
+    from tpu_inference import utils
+    used: dict = {}
+    seen = set()
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            if id(shard.data) in seen:
+                continue
+            seen.add(id(shard.data))
+            nbytes = shard.data.size // 2 if shard.data.dtype.name == "int4" \
+                else shard.data.nbytes
+            used[shard.data.device] = used.get(shard.data.device, 0) + nbytes
+    limit = utils.get_device_hbm_limit()
+    return [(used.get(device, 0), limit) for device in devices]
 
 
 def jit_without_compiler_options(jitted, static_argnums):
