@@ -350,6 +350,27 @@ def test_a_renamed_target_stops_the_aot_mode(monkeypatch):
         substitute.apply(table, "test")
 
 
+def test_the_engine_start_up_changes_only_what_is_installed():
+    """The runner's start-up in AOT mode changes declared targets only:
+    each exists in the installed tpu-inference (a renamed one would stop
+    `compile` with MissingTarget, as for the table above), and none stays
+    changed after."""
+    from tpu_inference.runner import compilation_manager
+    from tpu_inference.worker import tpu_worker
+
+    from vllm_gemma_qat import substitute
+    from vllm_gemma_qat.aot import engine
+    table = engine.substitutions(engine.Recorder(lambda p: True, print), [],
+                                 0)
+    originals = [getattr(*entry.resolve()) for entry in table]
+    with substitute.applied(table, "test"):
+        assert substitute.installed(
+            "tpu_inference.worker.tpu_worker:TPUWorker.__init__")
+    assert [getattr(*entry.resolve()) for entry in table] == originals
+    assert compilation_manager.jnp is __import__("jax").numpy
+    assert tpu_worker.TPUWorker.__init__ is originals[0]
+
+
 def test_flags_vllm_refuses_are_one_clear_error(checkpoints, capfd):
     # As `vllm serve` would refuse them (the tiny model has 4096 positions);
     # without --max-model-len compile takes vLLM's default, the model's.
