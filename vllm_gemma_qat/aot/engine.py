@@ -24,8 +24,9 @@ What it changes to run without a TPU, only while it runs:
   abstract arrays hold and the chip's HBM (a TPU reports them).
 - `CompilationManager._run_compilation`: lower and compile, record; a
   function that is not a jit (the runner compiles it by calling it in its
-  warm-up) is compiled as the jit it calls: the step jit that
-  `get_flax_model`'s `model_fn` resolves, else `jax.jit` of the function.
+  warm-up) is compiled as the jit that call reaches: the step jit that
+  `get_flax_model`'s `model_fn` resolves; the jit a proposer's method
+  calls after its host-side prologue; else `jax.jit` of the function.
 - `CompilationManager._flush_compilations`: no warm-up calls.
 - `TPUModelRunner.load_model`: records the runner (for the HBM count).
 The scheduler, which `EngineCore.__init__` builds next, is not: it needs
@@ -117,7 +118,8 @@ def _the_jit_it_calls(fn, args, call_kwargs):
     - A method whose object's class holds jits (the proposer's `propose`,
       `prepare_inputs`): the method is called, its host-side prologue run,
       until it calls one of them; that call's arguments.
-    - Any other function: the function as one jit."""
+    - Any other function: the function as one jit (the runner's warm-up
+      runs its host-side prologue, if any, eagerly: here it is fused)."""
     import jax
     code = getattr(fn, "__code__", None)  # else a callable object
     cells = {} if code is None else dict(zip(
@@ -242,7 +244,6 @@ def substitutions(recorder: Recorder, devices, hbm_bytes: int) -> list:
     def worker_init(original):
         def init(self, *args, **kwargs):
             kwargs.setdefault("devices", list(devices))
-            kwargs.pop("shared_worker_lock", None)  # vLLM's, not the worker's
             return original(self, *args, **kwargs)
         return init
 
