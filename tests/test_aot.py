@@ -1,9 +1,8 @@
 """`vllm-gemma-qat compile`: tiny E2B-like (1 KV head, multimodal) and
 E4B-like (2 KV heads, text-only, saved bare by transformers: a `gemma4_text`
-config) Gemma 4 checkpoints, built by tpu-inference as `vllm
-serve --load-format gemma_qat` would and compiled by libtpu for v6e-1 and
-v6e-4 (TP=4), bf16 and the w4a16 export, on this CPU-only machine; and at
-TP=8 over two hosts of a v6e-16.
+config) Gemma 4 checkpoints, started by tpu-inference's engine as `vllm
+serve --load-format gemma_qat` would start them and compiled by libtpu for
+TPU topologies, on this CPU-only machine.
 
 Here: TP=4 on v6e-4, the E2B-like multimodal w4a16 and the E4B-like bf16
 (one token bucket each: the runner's buckets for --max-num-batched-tokens
@@ -51,13 +50,8 @@ def compiled(request, checkpoints):
     from vllm_gemma_qat.aot.compile import compile_model
     geometry, topo, tp, form = request.param
     path = checkpoints[geometry, form]
-    # sample (four programs) on the TP=4 slices only: its logits are split
-    # over the chips there; it does not depend on the model otherwise.
-    # The image programs (the runner's for a multimodal model) on the
-    # (multimodal) E2B cases.
     report = compile_model(str(path), topo, tp=tp,
                            weights="bf16" if form == "bf16" else "int4",
-                           sampling=tp > 1, images=geometry == "e2b",
                            **FLAGS)
     return report, path
 
@@ -76,7 +70,7 @@ def test_every_startup_program_compiles(compiled):
     # compute_logits and structured decoding's grammar bitmask.
     sample = [f"worker0 sample(num_reqs=8, do_sampling={s}, logprobs={lp}, "
               "allow_distributed_sampling=1)" for s in (1, 0) for lp in (1, 0)
-              ] if report.tp > 1 else []
+              ]
     images = [
         "input_embeddings_merger(num_tokens=16)",
         "input_embeddings_merger_text_only(num_tokens=16)",
@@ -339,8 +333,7 @@ def test_a_renamed_target_stops_the_aot_mode(monkeypatch):
         assert substitute.installed(
             "tpu_inference.runner.kv_cache:_get_kv_cache_allocator")
     assert kv_cache._get_kv_cache_allocator is original
-    # What apply installs before it meets the missing target is put back
-    # by monkeypatch when the test ends.
+    # (monkeypatch puts back anything left, should apply leave something)
     for entry in table:
         owner, name = entry.resolve()
         monkeypatch.setattr(owner, name, getattr(owner, name))
@@ -348,6 +341,8 @@ def test_a_renamed_target_stops_the_aot_mode(monkeypatch):
     with pytest.raises(substitute.MissingTarget,
                        match="_get_kv_cache_allocator does not exist"):
         substitute.apply(table, "test")
+    # what it installed before it met the missing target is back
+    assert not substitute.installed(table[0].target)
 
 
 def test_the_engine_start_up_changes_only_what_is_installed():

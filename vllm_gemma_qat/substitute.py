@@ -60,10 +60,15 @@ class Substitution:
 def apply(table: list[Substitution], label: str,
           level: int = logging.INFO) -> list[tuple]:
     """Install `table` in order; a missing target stops it with
-    MissingTarget. Returns (owner, name, previous) for what it changed."""
+    MissingTarget, and what it installed before is put back. Returns
+    (owner, name, previous) for what it changed."""
     changed = []
     for s in table:
-        owner, name = s.resolve()
+        try:
+            owner, name = s.resolve()
+        except MissingTarget:
+            restore(changed)  # nothing of a table that stopped stays
+            raise
         current = getattr(owner, name)
         # Marked by target and reason: applying a table again changes
         # nothing, but another table's substitution for the same target
@@ -90,8 +95,13 @@ def applied(table: list[Substitution], label: str):
     try:
         yield
     finally:
-        for owner, name, previous in reversed(changed):
-            setattr(owner, name, previous)
+        restore(changed)
+
+
+def restore(changed: list[tuple]) -> None:
+    """Put back what `apply` changed (its return value), last first."""
+    for owner, name, previous in reversed(changed):
+        setattr(owner, name, previous)
 
 
 def installed(target: str) -> bool:

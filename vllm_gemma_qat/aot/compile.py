@@ -41,10 +41,9 @@ SKIPPABLE = {
 def selection(logits=True, sampling=True, images=True, helpers=True,
               token_buckets=None):
     """Which of the runner's programs to compile: a Program -> bool."""
-    left_out = [names for flag, names in (
-        ("logits", SKIPPABLE["logits"]), ("sampling", SKIPPABLE["sampling"]),
-        ("images", SKIPPABLE["images"])) if not locals()[flag]]
-    left_out = tuple(n for names in left_out for n in names)
+    wanted = {"logits": logits, "sampling": sampling, "images": images}
+    left_out = tuple(n for flag, names in SKIPPABLE.items()
+                     if not wanted[flag] for n in names)
     named = tuple(n for names in SKIPPABLE.values() for n in names)
 
     def select(prog: Program) -> bool:
@@ -318,6 +317,11 @@ def _start_and_report(vllm_config, desc, topo: Topology, tp, p, p_lm, target,
     runner = started.runner
     if started.refused:
         report.why_not.append(f"vLLM does not start: {started.refused}")
+        if p.kv_pool_blocks >= p.kv_blocks_per_agent:
+            report.disagreements.append(
+                f"plan gives the KV cache {p.kv_pool_blocks} pages, one "
+                f"request's --max-model-len needs {p.kv_blocks_per_agent}: "
+                "plan would start")
     if runner is None:
         judge(report)
         return report
@@ -353,7 +357,7 @@ def _start_and_report(vllm_config, desc, topo: Topology, tp, p, p_lm, target,
         if report.num_blocks != p.kv_pool_blocks:
             why = f"KV cache pages: tpu-inference sized {report.num_blocks}, " \
                 f"plan {p.kv_pool_blocks}"
-            if report.num_blocks > p.kv_pool_blocks and \
+            if tp > 1 and report.num_blocks > p.kv_pool_blocks and \
                     report.weight_bytes < report.plan_weight_bytes:
                 report.caveats.append(
                     why + ": plan counts the towers whole on every chip (an "
@@ -426,6 +430,11 @@ def _environment(topo: Topology) -> None:
     # No chip is used: another process holding libtpu's lockfile (a
     # `vllm serve` on a TPU VM, a second compile) must not stop this one.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # The runner's CompilationManager would point JAX's persistent cache at
+    # vLLM's (deviceless executables cannot be loaded; and JAX's config
+    # outlives the compile), and the worker would report usage stats.
+    os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     for key, value in (("JAX_PLATFORMS", "cpu"), ("TPU_NAME", "aot"),
                        ("TPU_WORKER_ID", "0"),
                        ("TPU_ACCELERATOR_TYPE", topo.name)):

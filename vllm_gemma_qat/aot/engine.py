@@ -29,6 +29,8 @@ What it changes to run without a TPU, only while it runs:
   calls after its host-side prologue; else `jax.jit` of the function.
 - `CompilationManager._flush_compilations`: no warm-up calls.
 - `TPUModelRunner.load_model`: records the runner (for the HBM count).
+- `TPUWorker.initialize_from_config`: records the KV cache's config (a
+  ValueError before it is a refusal to start, reported as such).
 The scheduler, which `EngineCore.__init__` builds next, is not: it needs
 the tokenizer, and compile reads configs only.
 """
@@ -72,6 +74,8 @@ class Recorder:
         import jax
         from tpu_inference.runner.compilation_manager import \
             _describe_signature
+
+        from vllm_gemma_qat.substitute import MissingTarget
         prog = Program(name, _describe_signature(kwargs))
         if not self.select(prog):
             return
@@ -89,6 +93,8 @@ class Recorder:
                                                               call_kwargs)
                 lowered = fn.lower(*args, **call_kwargs)
                 compiled = lowered.compile()
+        except MissingTarget:
+            raise
         except Exception as e:  # the TPU compiler's error, named
             prog.error = f"{type(e).__name__}: {str(e).strip()[:2000]}"
             prog.compile_s = time.perf_counter() - started
@@ -125,8 +131,6 @@ def _the_jit_it_calls(fn, args, call_kwargs):
     cells = {} if code is None else dict(zip(
         code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
     if "_resolve_step_fn" in cells:
-        call_kwargs = {k: v for k, v in call_kwargs.items()
-                       if k != "shared_attention_metadata"}  # as it drops
         return cells["_resolve_step_fn"](args[1], True), args, call_kwargs
     if getattr(fn, "__name__", None) == "wrapped_model_fn":
         from vllm_gemma_qat.substitute import MissingTarget
@@ -142,6 +146,8 @@ def _the_jit_it_calls(fn, args, call_kwargs):
             def called(*a, **kw):
                 raise _Called(getattr(type(owner), name), (owner, *a), kw)
             return called
+        own = {name: owner.__dict__[name] for name in jits
+               if name in owner.__dict__}
         for name in jits:
             setattr(owner, name, stop_at(name))
         try:
@@ -151,6 +157,7 @@ def _the_jit_it_calls(fn, args, call_kwargs):
         finally:
             for name in jits:
                 delattr(owner, name)
+            owner.__dict__.update(own)
         raise RuntimeError(f"{fn.__qualname__} called none of its class's "
                            f"jits ({', '.join(jits)})")
     return jax.jit(fn), args, call_kwargs
@@ -159,14 +166,17 @@ def _the_jit_it_calls(fn, args, call_kwargs):
 def kept_arguments(lowered, compiled) -> list:
     """(index among the jit's flattened non-static arguments, abstract
     array with the sharding it is compiled for) for each argument the
-    compiled program keeps."""
+    compiled program keeps. Which ones it keeps JAX says only in the
+    lowering's compile arguments (`kept_var_idx`; the compiled program's
+    input shardings are those of the kept ones, in order)."""
     import jax
     kept = sorted(lowered._lowering.compile_args["kept_var_idx"])
     infos = jax.tree.leaves(lowered.args_info)
+    shardings = jax.tree.leaves(compiled.input_shardings)
+    assert len(kept) == len(shardings), (len(kept), len(shardings))
     return [(i, jax.ShapeDtypeStruct(infos[i].shape, infos[i].dtype,
                                      sharding=sharding))
-            for i, sharding in zip(kept, jax.tree.leaves(
-                compiled.input_shardings))]
+            for i, sharding in zip(kept, shardings)]
 
 
 def _abstract(tree, sharding, mesh):
@@ -260,6 +270,12 @@ def substitutions(recorder: Recorder, devices, hbm_bytes: int) -> list:
              getattr(getattr(runner, "drafter", None), "state", None)])
         return [(held.get(d.id, 0), hbm_bytes) for d in chips]
 
+    def sized(original):
+        def initialize(self, kv_cache_config):
+            recorder.started.kv_cache_config = kv_cache_config
+            return original(self, kv_cache_config)
+        return initialize
+
     def run_compilation(self, name, fn, *args, **kwargs):
         return recorder.run_compilation(self, name, fn, *args, **kwargs)
 
@@ -286,7 +302,11 @@ def substitutions(recorder: Recorder, devices, hbm_bytes: int) -> list:
                      "are not here; device_array then makes them abstract"),
         Substitution("tpu_inference.utils:hbm_usage_bytes", hbm_usage_bytes,
                      "per chip: the bytes the runner's abstract arrays hold "
-                     "and the chip's HBM (what a TPU reports)"),
+                     "and the chip's nominal HBM (a TPU reports its own)"),
+        Substitution("tpu_inference.worker.tpu_worker:TPUWorker."
+                     "initialize_from_config", sized, "marks the KV cache "
+                     "sized: a ValueError before it is vLLM's or "
+                     "tpu-inference's refusal to start", wraps=True),
         Substitution(f"{manager}._run_compilation", run_compilation,
                      "lowered and compiled by libtpu for the topology, "
                      "recorded; nothing runs"),
@@ -312,8 +332,10 @@ def start(vllm_config, devices, hbm_bytes: int, select, log) -> Started:
         core.available_gpu_memory_for_kv_cache = -1
         core.model_executor = UniProcExecutor(vllm_config)
         try:
-            recorder.started.kv_cache_config = \
-                core._initialize_kv_caches(vllm_config)
-        except ValueError as e:  # no room for the KV cache: vLLM says so
+            core._initialize_kv_caches(vllm_config)
+        except ValueError as e:
+            if recorder.started.kv_cache_config is not None:
+                raise  # after the KV cache was sized: not a refusal
+            # no room for the KV cache: vLLM or tpu-inference says so
             recorder.started.refused = str(e).strip()
     return recorder.started

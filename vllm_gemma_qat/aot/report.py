@@ -133,7 +133,11 @@ def judge(report: Report) -> None:
         report.disagreements.append(
             f"towers per chip: the built model's {towers} B, more than "
             f"plan's whole-tower bound {plan_towers} B")
-    if ok and report.step_weight_bytes != report.lm_laid_out_bytes:
+    if not report.programs and not report.why_not:
+        report.why_not.append("no program compiled (the flags leave out "
+                              "every program the runner compiles)")
+    if any(prog.name.endswith(" backbone") for prog in ok) and \
+            report.step_weight_bytes != report.lm_laid_out_bytes:
         report.disagreements.append(
             f"language-model weights per chip: the compiled step's "
             f"arguments {report.step_weight_bytes} B, the parameters as "
