@@ -91,7 +91,16 @@ class Recorder:
                 if not hasattr(fn, "lower"):
                     fn, args, call_kwargs = _the_jit_it_calls(fn, args,
                                                               call_kwargs)
-                lowered = fn.lower(*args, **call_kwargs)
+                try:
+                    lowered = fn.lower(*args, **call_kwargs)
+                except Exception:
+                    if compile_only:
+                        raise
+                    # As the runner does: a jit it cannot lower so (a
+                    # bound method's jit) compiles at its warm-up call.
+                    call = fn
+                    lowered = jax.jit(lambda *a, **kw: call(*a, **kw)).lower(
+                        *args, **call_kwargs)
                 compiled = lowered.compile()
         except MissingTarget:
             raise
@@ -190,27 +199,29 @@ def _abstract(tree, sharding, mesh):
 
 
 class HostJnp:
-    """jax.numpy, but `ones`, `zeros` and `array` are numpy's (the same
-    values on the host)."""
+    """jax.numpy, but `ones`, `zeros` and `array` called outside a trace
+    are numpy's (the same values on the host); inside one, jax.numpy's."""
 
     def __getattr__(self, name):
         import jax.numpy as jnp
         return getattr(jnp, name)
 
     @staticmethod
-    def ones(shape, dtype=None):
+    def _made(name, *args, **kwargs):
+        import jax.numpy as jnp
         import numpy as np
-        return np.ones(shape, dtype=dtype)
+        from jax._src import core
+        on_host = core.trace_state_clean()
+        return getattr(np if on_host else jnp, name)(*args, **kwargs)
 
-    @staticmethod
-    def zeros(shape, dtype=None):
-        import numpy as np
-        return np.zeros(shape, dtype=dtype)
+    def ones(self, shape, dtype=None):
+        return self._made("ones", shape, dtype=dtype)
 
-    @staticmethod
-    def array(value, dtype=None):
-        import numpy as np
-        return np.array(value, dtype=dtype)
+    def zeros(self, shape, dtype=None):
+        return self._made("zeros", shape, dtype=dtype)
+
+    def array(self, value, dtype=None):
+        return self._made("array", value, dtype=dtype)
 
 
 def unique_leaves(tree) -> list:
@@ -300,6 +311,10 @@ def substitutions(recorder: Recorder, devices, hbm_bytes: int) -> list:
                      "zeros / array, made outside any trace) on the host: "
                      "jax.numpy would place them on the mesh's chips, which "
                      "are not here; device_array then makes them abstract"),
+        Substitution("tpu_inference.models.jax.gemma4_mm:jnp", HostJnp(),
+                     "the same for Gemma 4's vision-encoder precompile "
+                     "(`vision_warmup_config`'s dummy images); inside its "
+                     "traced code, jax.numpy's"),
         Substitution("tpu_inference.utils:hbm_usage_bytes", hbm_usage_bytes,
                      "per chip: the bytes the runner's abstract arrays hold "
                      "and the chip's nominal HBM (a TPU reports its own)"),
