@@ -365,12 +365,13 @@ def _start_and_report(vllm_config, desc, topo: Topology, tp, p, p_lm, target,
                     "difference")
             else:
                 report.disagreements.append(why)
-    _estimate_steps(report, runner, started, holder, topo, p)
+    _estimate_steps(report, runner, started, holder, topo, p, chip)
     judge(report)
     return report
 
 
-def _estimate_steps(report, runner, started, holder, topo, p) -> None:
+def _estimate_steps(report, runner, started, holder, topo, p,
+                    chip) -> None:
     """Per step program: the parameters it takes as laid out in HBM, the KV
     bytes its attention may read (arithmetic: RPA v3 declares no cost) and
     XLA's time estimate with them."""
@@ -384,7 +385,6 @@ def _estimate_steps(report, runner, started, holder, topo, p) -> None:
     # Bytes of KV one token of context costs each layer's attention
     # (shared layers read their source's cache; a sliding layer reads its
     # whole row, at most window + a page of tokens), per chip.
-    chip = next(iter(runner.mesh.devices.flat)).id
     read_per_token = {True: 0, False: 0}  # by: reads the window only
     tokens = max(report.num_blocks, 1) * block_size
     for name, n in runner.layer_name_to_kvcache_index.items():
