@@ -1,12 +1,14 @@
 """int4 linears' gmm_v2 tiles under gemma_qat (fixes/int4_tiling.py, patch
-0013): one M bucket, N tiles bounded at prefill-sized steps. The kernel in
-Pallas TPU interpret mode still computes the exact product with them, and
-the TPU compiler (libtpu, deviceless, v5e-1) emits less code for them."""
+0013): one M bucket, N tiles bounded (a weight tile of at most 128 MXU
+blocks; prefill-sized steps: also max(4 M, 2 MXU widths) columns). The
+kernel in Pallas TPU interpret mode still computes the exact product with
+them, and the TPU compiler (libtpu, deviceless, v5e-1) emits less code for
+them."""
 import numpy as np
 import pytest
 
 from vllm_gemma_qat import substitute
-from vllm_gemma_qat.fixes import int4_tiling
+from vllm_gemma_qat.fixes import int4_tiles, int4_tiling
 
 from test_real_kernels import (gmm_tolerance, plugin_int4, q4_0_linear,
                                quantized_matmul)
@@ -30,22 +32,33 @@ def tiles_seen(monkeypatch):
         yield seen
 
 
-def test_compact_tiles_keep_one_bucket_and_bound_n_at_prefill():
+def test_compact_tiles_keep_one_bucket_and_bound_n():
     from tokamax._src.ops.experimental.gmm_v2.gmm_v2 import TileSizes
     stock = TileSizes(tile_m=256, tile_k=1536, tile_n=12288, bucket_base=64)
-    prefill = int4_tiling.compact_tiles(stock, 512, 12288, 128, 128)
+    # 512 tokens, v6e (MXU 256): at most 4 x 512 columns, dividing 12288;
+    # v5e (MXU 128): 128 blocks of 128 x 128 over K = 1536 bound it first.
+    prefill = int4_tiles.compact_tiles(stock, 512, 12288, 256, 128)
     assert (prefill.tile_m, prefill.bucket_base, prefill.tile_n) == (
-        256, 256, 2048)  # <= 4 x 512 and divides 12288
-    decode = int4_tiling.compact_tiles(
-        TileSizes(tile_m=8, tile_k=1536, tile_n=12288, bucket_base=8),
-        8, 12288, 128, 128)
-    assert decode.tile_n == 12288  # decode keeps tokamax's N tile
-    # 4,224 = 33 x 128 columns at 256 tokens: the widest tile of whole
-    # lanes dividing it, <= 1,024, is 3 x 128.
-    odd = int4_tiling.compact_tiles(
-        TileSizes(tile_m=256, tile_k=64, tile_n=4224, bucket_base=64),
-        256, 4224, 256, 128)
-    assert odd.tile_n == 384
+        256, 256, 2048)
+    assert int4_tiles.compact_tiles(stock, 512, 12288, 128, 128).tile_n == 1024
+    # A weight tile of at most 128 MXU blocks (v5e: 128 x 128 values each,
+    # 2^21 in all; v6e: 256 x 256) at any step size: E2B's wide gate_up at
+    # decode, K = 1536, gets N tiles of 1024 on v5e, 4096 on v6e, not one
+    # of 24,576; E4B's down projection (K = 10,240) 128 on v5e.
+    decode = int4_tiles.compact_tiles(
+        TileSizes(tile_m=8, tile_k=1536, tile_n=24576, bucket_base=8),
+        8, 24576, 128, 128)
+    assert decode.tile_n == 1024
+    assert int4_tiles.compact_tiles(
+        TileSizes(tile_m=8, tile_k=1536, tile_n=24576, bucket_base=8),
+        8, 24576, 256, 128).tile_n == 4096
+    assert int4_tiles.compact_tiles(
+        TileSizes(tile_m=64, tile_k=10240, tile_n=2560, bucket_base=64),
+        64, 2560, 128, 128).tile_n == 128
+    # A tile already within both bounds is tokamax's.
+    assert int4_tiles.compact_tiles(
+        TileSizes(tile_m=8, tile_k=1536, tile_n=1024, bucket_base=8),
+        8, 2048, 128, 128).tile_n == 1024
 
 
 def test_gemma_qat_tiles_compute_the_exact_product_in_interpret_mode(
@@ -135,3 +148,20 @@ def test_the_tpu_compiler_emits_less_code_for_a_prefill_step(
     (*_, tiles) = tiles_seen[-1]
     assert (tiles.bucket_base, tiles.tile_n) == (tiles.tile_m, 2048)
     assert compact * 3 <= stock, (stock, compact)
+
+
+def test_the_tpu_compiler_emits_less_code_for_a_decode_step(
+        tiles_seen, monkeypatch):
+    """tokamax takes the whole N at decode (one grid step, its body
+    unrolled over 4 x 128 MXU blocks of a v5e here); gemma_qat 4 tiles of
+    128 blocks."""
+    m, k, n = 16, 512, 16384
+    stock = _code_bytes(m, k, n, False, monkeypatch)
+    (*_, stock_tiles) = tiles_seen[-1]
+    compact = _code_bytes(m, k, n, True, monkeypatch)
+    (*_, tiles) = tiles_seen[-1]
+    print(f"int4 linear {m}x{k}x{n} on v5e-1: {stock / 2**20:.2f} MiB of "
+          f"code with tokamax's tiles, {compact / 2**20:.2f} with N tiles "
+          "of 4096")
+    assert (stock_tiles.tile_n, tiles.tile_n) == (n, 4096)
+    assert compact * 2 <= stock, (stock, compact)

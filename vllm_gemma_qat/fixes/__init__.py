@@ -16,7 +16,7 @@ Each acts only under `--load-format gemma_qat` (`vllm_gemma_qat.gate`).
 | `request_checks` | 0010 | `prompt_logprobs` on a multimodal model or with a drafter: a 400 from the API server, not an engine that dies |
 | `text_only` | 0011 | a text-only checkpoint as transformers saves it (bare `gemma4_text` config, tensors under `model.`) builds and loads |
 | `rejection_padding` | 0012 | speculative decoding: padded draft positions no longer count as the last request's, which lost its bonus token |
-| `int4_tiling` | 0013 | int4 linears: gmm_v2 tiles with one M bucket, N tiles bounded at prefill-sized steps (less TPU code: the int4 512-token step fits a v5e-1) |
+| `int4_tiling` | 0013 | int4 linears: gmm_v2 tiles with one M bucket, N tiles bounded (a weight tile of at most 128 MXU blocks; prefill-sized steps also max(4 M, 2 widths) columns): less TPU code, the int4 512-token step fits a v5e-1 |
 
 `register` installs those in `ALL` (substitutions made when their
 tpu-inference module is imported); `weight_dtype` is applied by the loader's

@@ -3,36 +3,38 @@ Upstream patch: patches/0013-* (write-up: patches/README.md).
 
 tpu-inference 0.32 runs every wNa16 linear through tokamax's `gmm_v2`
 (`sharded_quantized_matmul`), with the tiles its `_safe_calculate_tiling`
-picks. The kernel unrolls its body over the tile's N columns (one matmul per
-MXU width), compiles it for four K-step cases (first / middle / last / both)
-and once per M "bucket" (tokamax grows tile_m to up to four times its base
-and keeps a branch per multiple). Every call site gets its own copy, and
-Gemma 4 E2B's step has 241 of them: the int4 512-token step carries 260 MiB
-of code on v6e-1 (bf16: 21 MiB) and does not fit a v5e-1 at default flags
-(`CompileTimeHbmOom`, 205 MB over; E4B 834 MB; benchmarks/README.md).
+picks. The kernel's body is unrolled over the weight tile, one matmul per
+MXU-sized block (tile_k x tile_n / MXU width^2; ~2 KiB of code each on a
+v5e), compiled for each k-step case and once per M "bucket" (tokamax grows
+tile_m to up to four times its base and keeps a branch per multiple).
+Every call site gets its own copy (XLA shares none), and tokamax takes the
+whole N and K where they fit VMEM: E2B's KV-shared gate_up is one tile of
+1,536 x 24,576, 2,304 v5e blocks. Gemma 4 E2B's step has 241 calls: the
+int4 512-token step carries 260 MiB of code on v6e-1 (bf16: 21 MiB) and
+does not fit a v5e-1 at default flags (`CompileTimeHbmOom`, 205 MB over;
+E4B 834 MB; benchmarks/README.md); the 16-token step 105 MiB on v5e-1.
 
-Under gemma_qat the tiles change in two ways, decided per call from the
-step's token count M:
+Under gemma_qat (the rule: `int4_tiles.py`), decided per call:
 
 - One M bucket (bucket_base = tile_m). The smaller buckets serve only a
   last tile the tokens do not fill; tpu-inference's token buckets are powers
   of two (up to --max-num-batched-tokens), multiples of tile_m, so those
   branches never run: the same work, a quarter of the code. A token count
   that is not a multiple computes its last tile whole, masked as before.
-- From M >= 256 tokens (prefill-sized steps, where the code is largest),
-  N tiles no wider than max(4 M, 2 MXU widths), dividing N. Each N tile
-  reads the step's activations again, M x K x 2 bytes, against its
-  weights' N_tile x K / 2: at N_tile >= 4 M those reads stay within the
-  weight bytes. Decode-sized steps keep tokamax's N tiles (one grid step per
-  linear where it fits VMEM: no per-step overhead added to decode).
+- N tiles (whole lanes, dividing N) that keep a weight tile within 128 MXU
+  blocks (v5e: 2^21 int4 values, 1 MiB; v6e: 2^23), at every step size;
+  from M >= 256 tokens also within max(4 M, 2 MXU widths) columns (each N
+  tile reads the step's activations again, M x K x 2 bytes, against its
+  weights' N_tile x K / 2). More N tiles are more grid steps, each with its
+  overhead, but each tile's weight DMA can then overlap the previous one's
+  compute (one grid step overlaps none).
 
-What the TPU compiler says (libtpu, deviceless; benchmarks/README.md): one
-E2B layer's six int4 linears at 512 tokens, v5e-1, 25.7 MiB of code with
-tokamax's tiles, 8.8 with one bucket, 5.2 with both changes; full-size E2B
-and E4B int4 now compile every step at default flags on v5e-1, and E2B's
-512-token step on v6e-1 carries 17.0 MiB of code instead of 260.8. XLA's
-cost estimate for the kernel is the kernel's own declaration, blind to
-tiling: run-time cost on a TPU is not measured.
+What the TPU compiler says (libtpu, deviceless; benchmarks/README.md): the
+int4 steps of full-size E2B and E4B carry less code than bf16's on v5e-1,
+v6e-1 and v6e-4 (E2B v5e-1, 16 tokens: 105 -> 12.5 MiB). XLA's cost
+estimate for the kernel is the kernel's own declaration, blind to tiling:
+run-time cost on a TPU is not measured (`benchmarks/tpu_kernels.py` times
+the tilings on the first TPU it is run on).
 
 Decided per engine process: tpu-inference's JAX model build
 (`get_flax_model`) says whether the model it builds serves gemma_qat
@@ -40,17 +42,15 @@ Decided per engine process: tpu-inference's JAX model build
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 from vllm_gemma_qat import substitute
+from vllm_gemma_qat.fixes.int4_tiles import compact_tiles
 from vllm_gemma_qat.gate import LOAD_FORMAT, is_gemma_qat
 from vllm_gemma_qat.substitute import Substitution
 
 LINEAR_MODULE = "tpu_inference.layers.common.linear"
 MODEL_LOADER = "tpu_inference.models.common.model_loader"
-PREFILL_TOKENS = 256
-
 _serving_gemma_qat = False
 
 
@@ -63,8 +63,9 @@ def install() -> None:
 def linear_substitutions() -> list[Substitution]:
     return [Substitution(
         f"{LINEAR_MODULE}:_safe_calculate_tiling", _compact,
-        "gmm_v2 tiles with one M bucket, and N tiles bounded at "
-        "prefill-sized steps: less generated code per int4 linear",
+        "gmm_v2 tiles with one M bucket and N tiles bounded (weight tiles "
+        "of at most 128 MXU blocks; prefill: max(4 M, 2 widths) columns): "
+        "less generated code per int4 linear",
         wraps=True)]
 
 
@@ -79,24 +80,6 @@ def loader_substitutions() -> list[Substitution]:
 
 def substitutions() -> list[Substitution]:
     return linear_substitutions() + loader_substitutions()
-
-
-def compact_tiles(tiles, size_m: int, size_n: int, mxu_columns: int,
-                  lanes: int):
-    """tokamax's `tiles` for an M x N product, with one M bucket and, from
-    PREFILL_TOKENS rows, N tiles of at most max(4 M, 2 MXU widths) columns
-    (a multiple of `lanes` dividing N; tokamax's own when none does)."""
-    tiles = dataclasses.replace(tiles, bucket_base=tiles.tile_m)
-    if size_m < PREFILL_TOKENS:
-        return tiles
-    widest = max(4 * size_m, 2 * mxu_columns)
-    for count in range(1, size_n // lanes + 1):
-        width = size_n // count
-        if size_n % count == 0 and width % lanes == 0 and width <= widest:
-            if width < tiles.tile_n:
-                tiles = dataclasses.replace(tiles, tile_n=width)
-            break
-    return tiles
 
 
 def _compact(safe_calculate_tiling):
