@@ -30,8 +30,9 @@ Under gemma_qat (the rule: `int4_tiles.py`), decided per call:
   compute (one grid step overlaps none).
 
 What the TPU compiler says (libtpu, deviceless; benchmarks/README.md): the
-int4 steps of full-size E2B and E4B carry less code than bf16's on v5e-1,
-v6e-1 and v6e-4 (E2B v5e-1, 16 tokens: 105 -> 12.5 MiB). XLA's cost
+int4 steps of full-size E2B and E4B carry at most 1.6x the code of bf16's
+at each token bucket on v5e-1, v6e-1 and v6e-4 (E2B v5e-1, 16 tokens:
+104.9 -> 11.3 MiB; bf16 9.2), and every one fits at default flags. XLA's cost
 estimate for the kernel is the kernel's own declaration, blind to tiling:
 run-time cost on a TPU is not measured (`benchmarks/tpu_kernels.py` times
 the tilings on the first TPU it is run on).
