@@ -16,8 +16,8 @@ int4 q, one bf16 scale d per 32 inputs, tpu-inference's wNa16 layout):
 
 - `bf16`: the same weights dense in bf16, XLA's dot (what a bf16 export runs)
 - `gmm_v2 tokamax`: tokamax's `gmm_v2` with its own tiles (stock tpu-inference)
-- `gmm_v2 served`: the tiles gemma_qat serves (patch 0013,
-  `vllm_gemma_qat/fixes/int4_tiles.py`)
+- `gmm_v2 served`: as gemma_qat serves it: patch 0013's tiles
+  (`vllm_gemma_qat/fixes/int4_tiles.py`), scales held in f32 (patch 0014)
 - `xla int4 grouped`: XLA only, int4 operands: one dot per group of 32
   inputs, scaled and summed in f32 (exact, as the kernel is)
 - `xla int4 dequant`: XLA only: W = bf16(q * d), then one dot (tpu-inference's
@@ -53,6 +53,9 @@ if (HERE / "vendor").is_dir():  # a bundle: the kernels it carries
     sys.path.insert(0, str(HERE / "vendor"))
 
 GROUP = 32
+# Candidates given their scales in f32, as gemma_qat holds them (patch
+# 0014); the others get the checkpoint's bf16, as stock tpu-inference.
+F32_SCALES = {"gmm_v2 served"}
 DECODE_TOKENS, PREFILL_TOKENS = 16, 512
 PAGE = 256
 # (sequences, context, query tokens per sequence): decode, one prefill chunk
@@ -286,12 +289,21 @@ def linear_programs(shapes: dict, abstract: bool, only: set | None,
                 for name, fn in candidates.items():
                     if only and name not in only:
                         continue
-                    args = (x, w) if name == "bf16" else (x, q, d)
+                    args = (x, w) if name == "bf16" else (
+                        x, q, _as_f32(d) if name in F32_SCALES else d)
                     out.append(Program(
                         "linear", model, shape, tokens, name, count, fn, args,
                         repeat=_feed_back_scalar,
                         check=None if abstract else _linear_check(exact)))
     return out
+
+
+def _as_f32(scale):
+    import jax
+    import jax.numpy as jnp
+    if isinstance(scale, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(scale.shape, jnp.float32)
+    return scale.astype(jnp.float32)
 
 
 def _feed_back_scalar(args, out):

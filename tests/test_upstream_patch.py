@@ -73,6 +73,9 @@ NEW_TEST_FILES = {
     "0013-Linear-Dense-gmm_v2-calls-one-M-bucket-N-tiles-bound.patch": (
         "tests/layers/common/test_linear_gmm_tiling.py",
         ("tpu_inference/layers/common/linear.py", ), 3),
+    "0014-Quantization-wNa16-Hold-the-gmm_v2-kernel-s-scales-in-f32.patch": (
+        "tests/layers/jax/quantization/test_wna16_scale_dtype.py",
+        ("tpu_inference/layers/jax/quantization/wna16.py", ), 2),
 }
 
 

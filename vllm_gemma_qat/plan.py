@@ -195,13 +195,14 @@ class Weights:
     def per_chip(self, geo: Geometry, form: str, tp: int,
                  dtype_bytes: int | None = None) -> tuple[int, int]:
         """(bytes in all, bytes on each chip); `form` "int4": linears as
-        4-bit values + a bf16 scale per 32; `dtype_bytes`: the other
-        language-model tensors in the served dtype (None: as stored)."""
+        4-bit values + an f32 scale per 32 (as gemma_qat holds them:
+        fixes/int4_scales.py); `dtype_bytes`: the other language-model
+        tensors in the served dtype (None: as stored)."""
         linears = {m + ".weight" for m in geo.linear_modules("")}
         split = whole = 0
         for name, (nbytes, numel) in self.tensors.items():
             if form == "int4" and name in linears:
-                nbytes = numel // 2 + 2 * (numel // 32)
+                nbytes = numel // 2 + 4 * (numel // 32)
             elif dtype_bytes:
                 nbytes = numel * dtype_bytes
             if split_under_tp(name):

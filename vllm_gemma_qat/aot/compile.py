@@ -486,10 +486,10 @@ def _vllm_config(model_dir, tp, weights, kv_dtype, dtype, max_model_len,
 
 def _int4_layout(model, mesh) -> None:
     """wNa16 linears: the layout `WNA16LinearMethod.
-    process_weights_after_loading` leaves (int4 [in, out]; the scale
-    [in / group, 1, out] for gmm_v2, else [in / group, out]; shardings as
-    `shard_linear_weights` gives them), in place of the checkpoint's packed
-    parameters."""
+    process_weights_after_loading` leaves under gemma_qat (int4 [in, out];
+    the scale [in / group, 1, out] in f32 for gmm_v2, else [in / group,
+    out] in bf16; shardings as `shard_linear_weights` gives them), in place
+    of the checkpoint's packed parameters."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -505,13 +505,13 @@ def _int4_layout(model, mesh) -> None:
             (method.in_features, method.out_features), jnp.int4,
             sharding=NamedSharding(mesh, spec))
         in_axis = spec[0] if method.num_groups > 1 else None
-        if method.use_kernel:
+        if method.use_kernel:  # held in f32 (fixes/int4_scales.py)
             scale_shape = (method.num_groups, 1, method.out_features)
-            scale_spec = P(in_axis, None, spec[1])
+            scale_spec, scale_dtype = P(in_axis, None, spec[1]), jnp.float32
         else:
             scale_shape = (method.num_groups, method.out_features)
-            scale_spec = spec
-        scale = jax.ShapeDtypeStruct(scale_shape, jnp.bfloat16,
+            scale_spec, scale_dtype = spec, jnp.bfloat16
+        scale = jax.ShapeDtypeStruct(scale_shape, scale_dtype,
                                      sharding=NamedSharding(mesh, scale_spec))
         for name in ("weight_packed", "weight_scale", "weight_shape"):
             delattr(module, name)

@@ -17,6 +17,7 @@ Each acts only under `--load-format gemma_qat` (`vllm_gemma_qat.gate`).
 | `text_only` | 0011 | a text-only checkpoint as transformers saves it (bare `gemma4_text` config, tensors under `model.`) builds and loads |
 | `rejection_padding` | 0012 | speculative decoding: padded draft positions no longer count as the last request's, which lost its bonus token |
 | `int4_tiling` | 0013 | int4 linears: gmm_v2 tiles with one M bucket, N tiles bounded (a weight tile of at most 128 MXU blocks; prefill-sized steps also max(4 M, 2 widths) columns): less TPU code, the int4 512-token step fits a v5e-1 |
+| `int4_scales` | 0014 | int4 linears: gmm_v2's scales held in f32 from load, not converted from bf16 by every call of every step |
 
 `register` installs those in `ALL` (substitutions made when their
 tpu-inference module is imported); `weight_dtype` is applied by the loader's
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 ALL = ("kv_share", "preemption", "image_steps", "compile_once",
        "drafter_load", "drafter_quantization", "sliding_window",
        "discarded_samples", "request_checks", "text_only",
-       "rejection_padding", "int4_tiling")
+       "rejection_padding", "int4_tiling", "int4_scales")
 
 
 def modules() -> list:
