@@ -7,7 +7,7 @@ call of every step first converts them: an XLA `convert` fusion per call
 that reads the bf16 scales and writes f32 ones (E2B: ~56 M scales, ~334 MB
 of HBM traffic a step; ~0.4 ms on a v5e by arithmetic). Converted once,
 when the weights are processed: the same values (every bf16 is an f32),
-+2 bytes per 32 weights (E2B ~+111 MB). What the TPU compiler says
++2 bytes per 32 weights (E2B +118 MB). What the TPU compiler says
 (benchmarks/README.md, E2B v5e-1): the step's XLA part 3.25 -> 2.93 ms at
 16 tokens, 17.30 -> 15.81 ms at 512 (bf16's: 8.28 / 16.54).
 
