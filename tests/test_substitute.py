@@ -2,7 +2,7 @@
 (`vllm_gemma_qat.fixes`: kv-share, image steps, preemption, compile-once,
 the drafter's load config and quantization, sliding-window KV, discarded
 samples under speculation, request checks, text-only checkpoints,
-rejection padding, int4 tiles),
+rejection padding, int4 tiles and scales),
 of preflight and of CPU mode exists in the installed tpu-inference; a
 missing target is named, never silently added; CPU mode refuses TPU
 machines."""
@@ -11,7 +11,8 @@ import pytest
 from vllm_gemma_qat import cpu, fixes, preflight, substitute
 from vllm_gemma_qat.fixes import (compile_once, discarded_samples,
                                   drafter_load, drafter_quantization,
-                                  image_steps, int4_tiling, kv_share,
+                                  image_steps, int4_scales, int4_tiling,
+                                  kv_share,
                                   preemption,
                                   rejection_padding, request_checks,
                                   sliding_window, text_only)
@@ -20,7 +21,7 @@ from vllm_gemma_qat.substitute import MissingTarget, Substitution
 NAMES = ["kv_share", "image_steps", "preemption", "compile_once",
          "drafter_load", "drafter_quantization", "sliding_window",
          "discarded_samples", "request_checks", "text_only",
-         "rejection_padding", "int4_tiling", "preflight",
+         "rejection_padding", "int4_tiling", "int4_scales", "preflight",
          "CPU kernels", "CPU runtime"]
 
 
@@ -38,6 +39,7 @@ def tables():
             "text_only": text_only.substitutions(),
             "rejection_padding": rejection_padding.substitutions(),
             "int4_tiling": int4_tiling.substitutions(),
+            "int4_scales": int4_scales.substitutions(),
             "preflight": preflight.substitutions(),
             "CPU kernels": cpu.kernel_substitutions(),
             "CPU runtime": cpu.runtime_substitutions()}
