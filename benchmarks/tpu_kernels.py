@@ -164,8 +164,10 @@ def bundle(dest: Path) -> None:
             versions[dist] = None
     (dest / "SOURCES.json").write_text(json.dumps(
         {"copied": manifest, "versions": versions}, indent=1))
-    print(f"{dest}: copy it to a TPU VM with jax and libtpu, then run\n"
-          f"  python {dest.name}/tpu_kernels.py --out results.json")
+    print(f"{dest}: copy it to a TPU VM with the jax and libtpu the kernels "
+          f"were copied beside (pip install jax=={versions['jax']} "
+          f"jaxlib=={versions['jaxlib']} libtpu=={versions['libtpu']}), "
+          f"then run\n  python {dest.name}/tpu_kernels.py --out results.json")
 
 
 # --- the programs -----------------------------------------------------------
@@ -450,6 +452,9 @@ def time_program(p: Program, r1: int = 10, r2: int = 60, runs: int = 5):
         @jax.jit
         def run(*args):
             def body(_, args):
+                # Nothing may be hoisted out of the loop as invariant (the
+                # weights' conversions: what the candidates differ in).
+                args = lax.optimization_barrier(args)
                 return p.repeat(args, p.fn(*args))
             return lax.fori_loop(0, count, body, args)
         return run

@@ -16,6 +16,8 @@ the chip's HBM and against `plan` for the same flags; and a verdict.
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import tempfile
@@ -147,7 +149,9 @@ def _compile_with_plugin(target, topo, tp, weights, kv_dtype, dtype,
 
     from vllm.plugins import load_general_plugins
     load_general_plugins()  # the plugin, as `vllm serve` loads it
-    table = substitutions(topo, _int4_layout)
+    # gemma_qat holds the kernel's int4 scales in f32 (fixes/int4_scales.py)
+    table = substitutions(topo, functools.partial(
+        _int4_layout, f32_scales=load_format == "gemma_qat"))
     from jax.experimental.compilation_cache import compilation_cache
     # Deviceless executables cannot be loaded here: keep them out of JAX's
     # persistent cache (a later read fails with a warning). JAX decides
@@ -484,12 +488,12 @@ def _vllm_config(model_dir, tp, weights, kv_dtype, dtype, max_model_len,
     return args.create_engine_config()
 
 
-def _int4_layout(model, mesh) -> None:
+def _int4_layout(model, mesh, f32_scales: bool = True) -> None:
     """wNa16 linears: the layout `WNA16LinearMethod.
-    process_weights_after_loading` leaves under gemma_qat (int4 [in, out];
-    the scale [in / group, 1, out] in f32 for gmm_v2, else [in / group,
-    out] in bf16; shardings as `shard_linear_weights` gives them), in place
-    of the checkpoint's packed parameters."""
+    process_weights_after_loading` leaves (int4 [in, out]; the scale
+    [in / group, 1, out] for gmm_v2, in f32 under gemma_qat (`f32_scales`),
+    else [in / group, out] in bf16; shardings as `shard_linear_weights`
+    gives them), in place of the checkpoint's packed parameters."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -505,9 +509,10 @@ def _int4_layout(model, mesh) -> None:
             (method.in_features, method.out_features), jnp.int4,
             sharding=NamedSharding(mesh, spec))
         in_axis = spec[0] if method.num_groups > 1 else None
-        if method.use_kernel:  # held in f32 (fixes/int4_scales.py)
+        if method.use_kernel:
             scale_shape = (method.num_groups, 1, method.out_features)
-            scale_spec, scale_dtype = P(in_axis, None, spec[1]), jnp.float32
+            scale_spec = P(in_axis, None, spec[1])
+            scale_dtype = jnp.float32 if f32_scales else jnp.bfloat16
         else:
             scale_shape = (method.num_groups, method.out_features)
             scale_spec, scale_dtype = spec, jnp.bfloat16

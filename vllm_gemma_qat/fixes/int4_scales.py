@@ -4,8 +4,8 @@ Upstream patch: patches/0014-* (write-up: patches/README.md).
 tokamax's `gmm_v2` reads its per-group scales in f32; tpu-inference 0.32's
 wNa16 method keeps them as the checkpoint stores them (bf16), so every int4
 call of every step first converts them: an XLA `convert` fusion per call
-that reads the bf16 scales and writes f32 ones (E2B: ~56 M scales, ~334 MB
-of HBM traffic a step; ~0.4 ms on a v5e by arithmetic). Converted once,
+that reads the bf16 scales and writes f32 ones (E2B: ~59 M scales, ~352 MB
+of HBM traffic a step; ~0.43 ms on a v5e by arithmetic). Converted once,
 when the weights are processed: the same values (every bf16 is an f32),
 +2 bytes per 32 weights (E2B +118 MB). What the TPU compiler says
 (benchmarks/README.md, E2B v5e-1): the step's XLA part 3.25 -> 2.93 ms at
@@ -54,5 +54,7 @@ def _f32_scales(process_weights_after_loading):
 
 
 def _serving_gemma_qat() -> bool:
-    from vllm.config import get_current_vllm_config
-    return is_gemma_qat(get_current_vllm_config())
+    # vLLM sets the config while the runner loads the model; a load outside
+    # it (a script, tpu-inference's own tests) is not gemma_qat's.
+    from vllm.config import get_current_vllm_config_or_none
+    return is_gemma_qat(get_current_vllm_config_or_none())
