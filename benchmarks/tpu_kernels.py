@@ -102,9 +102,10 @@ def shapes_from_configs() -> dict:
             count(linears, f"{k}x{2 * n}")  # gate_up
             kind = "full" if geo.is_full(i) else "sliding"
             count(attention, f"{kind} {geo.kv_heads(i)}x{geo.head_dim(i)}")
-        for key, shape in geo.global_tensors().items():
-            if key == "per_layer_model_projection.weight":
-                count(linears, "{1}x{0}".format(*shape))
+        projection = geo.global_tensors().get(
+            "per_layer_model_projection.weight")
+        if projection:
+            count(linears, "{1}x{0}".format(*projection))
         out[name] = {"linears": linears, "attention": attention,
                      "q_heads": text["num_attention_heads"],
                      "sliding_window": text["sliding_window"]}
@@ -155,12 +156,12 @@ def bundle(dest: Path) -> None:
     manifest.append(int4_tiles.__file__)
     shutil.copyfile(__file__, dest / "tpu_kernels.py")
     (dest / "shapes.json").write_text(json.dumps(shapes_from_configs(), indent=1))
+    from importlib.metadata import PackageNotFoundError, version
     versions = {}
     for dist in ("jax", "jaxlib", "libtpu", "tokamax", "tpu-inference", "absl-py"):
         try:
-            from importlib.metadata import version
             versions[dist] = version(dist)
-        except Exception:  # not installed here
+        except PackageNotFoundError:  # not installed here
             versions[dist] = None
     (dest / "SOURCES.json").write_text(json.dumps(
         {"copied": manifest, "versions": versions}, indent=1))
@@ -205,19 +206,14 @@ def _int4_weights(k: int, n: int, seed: int, abstract: bool):
 
 
 def linear_candidates():
-    import jax
     import jax.numpy as jnp
-    from jax.experimental.pallas import tpu as pltpu
     from tokamax._src.ops.experimental.gmm_v2.gmm_v2 import (calculate_tiling,
                                                              gmm_v2)
     rule = tile_rule()
 
     def served(dims, lhs_cfgs, rhs_cfgs, vmem_limit_bytes, fuse_act=None):
-        tiles = calculate_tiling(dims, lhs_cfgs, rhs_cfgs, vmem_limit_bytes,
-                                 fuse_act)
-        info = pltpu.get_tpu_info()
-        return rule.compact_tiles(tiles, dims.size_m, dims.size_n,
-                                  info.mxu_column_size, info.num_lanes)
+        return rule.for_the_chip(calculate_tiling(
+            dims, lhs_cfgs, rhs_cfgs, vmem_limit_bytes, fuse_act), dims)
 
     def gmm(tile_info):
         def call(x, q, d):  # as tpu-inference's sharded_quantized_matmul
@@ -244,7 +240,6 @@ def linear_candidates():
     def dense(x, w):
         return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
-    del jax
     return {"bf16": dense, "gmm_v2 tokamax": gmm(calculate_tiling),
             "gmm_v2 served": gmm(served), "xla int4 grouped": grouped,
             "xla int4 dequant": dequant}

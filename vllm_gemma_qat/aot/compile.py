@@ -17,7 +17,6 @@ the chip's HBM and against `plan` for the same flags; and a verdict.
 from __future__ import annotations
 
 import functools
-
 import json
 import os
 import tempfile

@@ -35,3 +35,12 @@ def compact_tiles(tiles, size_m: int, size_n: int, mxu_columns: int,
     if width and width < tiles.tile_n:
         tiles = dataclasses.replace(tiles, tile_n=width)
     return tiles
+
+
+def for_the_chip(tiles, dims):
+    """`compact_tiles` for gmm_v2's `dims`, on the TPU being compiled for
+    (its MXU width and lane count)."""
+    from jax.experimental.pallas import tpu as pltpu
+    info = pltpu.get_tpu_info()
+    return compact_tiles(tiles, dims.size_m, dims.size_n,
+                         info.mxu_column_size, info.num_lanes)

@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 
 from vllm_gemma_qat import substitute
-from vllm_gemma_qat.fixes.int4_tiles import compact_tiles
+from vllm_gemma_qat.fixes import int4_tiles
 from vllm_gemma_qat.gate import LOAD_FORMAT, is_gemma_qat
 from vllm_gemma_qat.substitute import Substitution
 
@@ -92,10 +92,7 @@ def _compact(safe_calculate_tiling):
         if (not _serving_gemma_qat or fuse_act is not None
                 or dims.size_group != 1):  # dense linears only
             return tiles
-        from jax.experimental.pallas import tpu as pltpu
-        info = pltpu.get_tpu_info()
-        return compact_tiles(tiles, dims.size_m, dims.size_n,
-                             info.mxu_column_size, info.num_lanes)
+        return int4_tiles.for_the_chip(tiles, dims)
 
     return tiling
 
