@@ -2,14 +2,14 @@
 (`vllm_gemma_qat.fixes`: kv-share, image steps, preemption, compile-once,
 the drafter's load config and quantization, sliding-window KV, discarded
 samples under speculation, request checks, text-only checkpoints,
-rejection padding, int4 tiles and scales),
+rejection padding, int4 tiles and scales, audio),
 of preflight and of CPU mode exists in the installed tpu-inference; a
 missing target is named, never silently added; CPU mode refuses TPU
 machines."""
 import pytest
 
 from vllm_gemma_qat import cpu, fixes, preflight, substitute
-from vllm_gemma_qat.fixes import (compile_once, discarded_samples,
+from vllm_gemma_qat.fixes import (audio, compile_once, discarded_samples,
                                   drafter_load, drafter_quantization,
                                   image_steps, int4_scales, int4_tiling,
                                   kv_share,
@@ -21,7 +21,8 @@ from vllm_gemma_qat.substitute import MissingTarget, Substitution
 NAMES = ["kv_share", "image_steps", "preemption", "compile_once",
          "drafter_load", "drafter_quantization", "sliding_window",
          "discarded_samples", "request_checks", "text_only",
-         "rejection_padding", "int4_tiling", "int4_scales", "preflight",
+         "rejection_padding", "int4_tiling", "int4_scales", "audio",
+         "preflight",
          "CPU kernels", "CPU runtime"]
 
 
@@ -40,6 +41,7 @@ def tables():
             "rejection_padding": rejection_padding.substitutions(),
             "int4_tiling": int4_tiling.substitutions(),
             "int4_scales": int4_scales.substitutions(),
+            "audio": audio.substitutions() + audio.request_substitutions(),
             "preflight": preflight.substitutions(),
             "CPU kernels": cpu.kernel_substitutions(),
             "CPU runtime": cpu.runtime_substitutions()}

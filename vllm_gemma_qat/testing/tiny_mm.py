@@ -44,6 +44,17 @@ MM_TOKENS = {
 FIRST_MM_ID = len(tiny.SPECIAL_TOKENS) + 256
 MM_IDS = {name: FIRST_MM_ID + i for i, name in enumerate(MM_TOKENS)}
 
+# The audio tower: Gemma 4's (chunk 12, 12 frames back, the 128-channel
+# first convolution the 128 mel bins need), narrow and one layer deep.
+AUDIO_CONFIG = dict(hidden_size=64, num_hidden_layers=1,
+                    num_attention_heads=4, subsampling_conv_channels=[128, 8],
+                    output_proj_dims=48)
+AUDIO_CLIP = 4.0
+SAMPLE_RATE = 16_000
+# Audio soft tokens per clip at most (Gemma 4's: 750, 30 s at 40 ms a token):
+# 4 s here, so that a clip fits a CPU-mode step.
+AUDIO_SEQ_LENGTH = 100
+
 MAX_SOFT_TOKENS = 70   # the smallest budget Gemma4ImageProcessor accepts
 IMAGE_SIZE = 32        # png_image's default side
 SOFT_TOKENS = 64       # soft tokens of a square image under MAX_SOFT_TOKENS
@@ -64,6 +75,8 @@ CHAT_TEMPLATE = (
     "{% for item in message['content'] %}"
     "{% if item['type'] in ('image', 'image_url') %}"
     "{{ '" + MM_TOKENS["image_token"] + "' }}"
+    "{% elif item['type'] in ('audio', 'input_audio', 'audio_url') %}"
+    "{{ '" + MM_TOKENS["audio_token"] + "' }}"
     "{% elif item['type'] == 'text' %}"
     "{{ item['text'] | trim }}"
     "{% endif %}"
@@ -75,12 +88,14 @@ CHAT_TEMPLATE = (
 
 
 def save_servable_mm(path: str | Path, geometry: str = "e2b", seed: int = 0,
-                     form: str | None = None, layout: str = "qat"):
+                     form: str | None = None, layout: str = "qat",
+                     audio: bool = False):
     """`tiny.save_servable` (`tiny.save_servable_int4` for form "w4a16" or
-    "q4_0") of a multimodal model, plus the files its processors need.
-    Returns the transformers Gemma4ForConditionalGeneration (fp32, eval)
-    the checkpoint was written from (int4: the exact dequantized weights)."""
-    model = build_model(geometry, seed)
+    "q4_0") of a multimodal model (`audio`: with an audio tower), plus the
+    files its processors need. Returns the transformers
+    Gemma4ForConditionalGeneration (fp32, eval) the checkpoint was written
+    from (int4: the exact dequantized weights)."""
+    model = build_model(geometry, seed, audio)
     if form is None:
         tiny.save_checkpoint(model, path, layout=layout)
     elif layout != "qat":
@@ -97,11 +112,13 @@ def token_ids() -> dict[str, int]:
     return dict(MM_IDS)
 
 
-def build_model(geometry: str = "e2b", seed: int = 0):
+def build_model(geometry: str = "e2b", seed: int = 0, audio: bool = False):
     """`tiny.build_model(geometry, True, seed)` with the tokenizer's
     multimodal token ids and the image budget in its config (neither
-    changes a weight)."""
+    changes a weight); `audio`: plus an audio tower (`with_audio_tower`)."""
     model = tiny.build_model(geometry, True, seed)
+    if audio:
+        model = with_audio_tower(model, seed)
     config = model.config
     config.boi_token_id = MM_IDS["boi_token"]
     config.eoi_token_id = MM_IDS["eoi_token"]
@@ -112,6 +129,40 @@ def build_model(geometry: str = "e2b", seed: int = 0):
     config.video_token_id = MM_IDS["video_token"]
     config.vision_config.default_output_length = MAX_SOFT_TOKENS
     return model
+
+
+def with_audio_tower(model, seed: int = 0):
+    """`model` with a tiny audio tower and embedder (AUDIO_CONFIG) added:
+    every other weight as it was. The tower's norms are spread as tiny.py
+    spreads the text model's, and its clipped linears get finite bounds
+    (the real exports' are finite too) so that clipping shows."""
+    import torch
+    from transformers import (Gemma4AudioConfig,
+                              Gemma4ForConditionalGeneration)
+    config = model.config.to_dict()
+    config["audio_config"] = Gemma4AudioConfig(**AUDIO_CONFIG).to_dict()
+    config = type(model.config).from_dict(config)
+    torch.manual_seed(seed + 1)
+    out = Gemma4ForConditionalGeneration(config).eval()
+    missing, unexpected = out.load_state_dict(model.state_dict(),
+                                              strict=False)
+    assert not unexpected and all(
+        ".audio_tower." in n or ".embed_audio." in n for n in missing)
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            if "audio" not in name:
+                continue
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif name.endswith("per_dim_scale"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+        for name, b in out.named_buffers():
+            if name.endswith(("input_min", "output_min")):
+                b.fill_(-AUDIO_CLIP)
+            elif name.endswith(("input_max", "output_max")):
+                b.fill_(AUDIO_CLIP)
+    return out
 
 
 def build_tokenizer():
@@ -142,7 +193,8 @@ def save_processor(path: str | Path) -> Path:
         tokenizer=build_tokenizer(),
         video_processor=Gemma4VideoProcessor(),
         chat_template=CHAT_TEMPLATE,
-        image_seq_length=SOFT_TOKENS)
+        image_seq_length=SOFT_TOKENS,
+        audio_seq_length=AUDIO_SEQ_LENGTH)
     processor.save_pretrained(path)
     # Gemma4Processor's __init__ re-adds <|video|> with a call that replaces
     # the tokenizer's list of extra special tokens (they stay special, but
@@ -178,8 +230,9 @@ def png_data_uri(seed_or_pixels=0, size: int = IMAGE_SIZE) -> str:
 
 def hf_image_greedy(hf_model, processor, messages, n: int):
     """transformers' greedy decoding of a chat whose content parts may be
-    {"type": "image", "image": PIL image}: the processor renders the chat
-    template and expands each image, then `generate`. Returns (prompt token
+    {"type": "image", "image": PIL image} or {"type": "audio", "audio":
+    float32 samples at SAMPLE_RATE}: the processor renders the chat
+    template and expands each image and clip, then `generate`. Returns (prompt token
     ids, generated token ids: n of them, fewer if it stops at EOS)."""
     import torch
     inputs = processor.apply_chat_template(
@@ -189,3 +242,34 @@ def hf_image_greedy(hf_model, processor, messages, n: int):
     with torch.no_grad():
         out = hf_model.generate(**inputs, do_sample=False, max_new_tokens=n)
     return prompt_ids, out[0, len(prompt_ids):].tolist()
+
+
+# --- audio ------------------------------------------------------------------
+
+def speech_like(seed: int = 0, seconds: float = 2.0,
+                rate: int = SAMPLE_RATE):
+    """A deterministic mono float32 clip: a few gliding tones and noise."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    clip = sum(rng.uniform(0.1, 0.3) * np.sin(
+        2 * np.pi * (rng.uniform(100, 900) + rng.uniform(-200, 200) * t) * t)
+        for _ in range(3))
+    clip = clip + 0.02 * rng.standard_normal(t.shape)
+    return clip.astype(np.float32)
+
+
+def wav_bytes(clip, rate: int = SAMPLE_RATE, subtype: str = "FLOAT") -> bytes:
+    """`clip` as a WAV file (32-bit float samples by default: the server
+    decodes the very samples transformers is given)."""
+    import soundfile
+    buffer = io.BytesIO()
+    soundfile.write(buffer, clip, rate, format="WAV", subtype=subtype)
+    return buffer.getvalue()
+
+
+def input_audio_part(clip, rate: int = SAMPLE_RATE) -> dict:
+    return {"type": "input_audio", "input_audio": {
+        "data": base64.b64encode(wav_bytes(clip, rate)).decode(),
+        "format": "wav"}}
+

@@ -1,0 +1,192 @@
+"""Audio through `vllm serve --load-format gemma_qat` (CPU mode): a tiny
+multimodal QAT checkpoint with an audio tower (tiny_mm.with_audio_tower)
+and Gemma 4's processor files; chat requests with a WAV clip as
+`input_audio`, answers against transformers' Gemma4ForConditionalGeneration
+greedy on the same processor and chat template; bad audio is a 400 and the
+engine keeps serving."""
+import base64
+import concurrent.futures
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from harness import complete, hf_greedy
+from vllm_gemma_qat.cpu.server import CpuServer
+from vllm_gemma_qat.testing import tiny_mm
+
+pytestmark = pytest.mark.xdist_group("serve_audio")
+
+AUDIO_ARGS = ("--limit-mm-per-prompt", '{"image": 1, "audio": 1, "video": 0}',
+              "--disable-chunked-mm-input")
+STEP_TOKENS = 128
+QUESTION = "What is said?"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from transformers import AutoProcessor
+    root = tmp_path_factory.mktemp("serve-audio")
+    hf = tiny_mm.save_servable_mm(root / "model", audio=True)
+    processor = AutoProcessor.from_pretrained(root / "model")
+    with CpuServer(root / "model", *AUDIO_ARGS, log=root / "server.log",
+                   step_tokens=STEP_TOKENS) as server:
+        yield server, hf, processor, root / "model"
+
+
+def audio_body(model, part, n=8, **extra) -> dict:
+    return {"model": str(model), "temperature": 0, "max_tokens": n,
+            "ignore_eos": True, "return_token_ids": True, "messages": [{
+                "role": "user", "content": [
+                    part, {"type": "text", "text": QUESTION}]}], **extra}
+
+
+def hf_audio_reference(hf, processor, clip, n=8):
+    messages = [{"role": "user", "content": [
+        {"type": "audio", "audio": clip},
+        {"type": "text", "text": QUESTION}]}]
+    return tiny_mm.hf_image_greedy(hf, processor, messages, n)
+
+
+def test_tower_output_equals_transformers(served):
+    """The JAX tower and embedder as the server builds them, on one clip's
+    features from Gemma 4's feature extractor: equal to transformers'
+    get_audio_features (fp32)."""
+    import jax.numpy as jnp
+    import torch
+
+    from vllm_gemma_qat.fixes.audio_tower import (AudioEmbedder,
+                                                  Gemma4AudioModel,
+                                                  load_audio_weights)
+    _, hf, processor, _ = served
+    clip = tiny_mm.speech_like(5, 1.3)
+    features = processor.feature_extractor([clip], return_tensors="pt")
+    with torch.no_grad():
+        ref = hf.model.get_audio_features(
+            features["input_features"], features["input_features_mask"])
+    ref_mask = ref.attention_mask[0].numpy()
+    ref = ref.pooler_output[0].numpy()[ref_mask]
+    config = hf.config
+    tower = Gemma4AudioModel(config.audio_config, jnp.float32)
+    embedder = AudioEmbedder(config.audio_config,
+                             config.text_config.hidden_size, jnp.float32)
+    state = hf.state_dict()
+    loaded = load_audio_weights(
+        {"model.audio_tower": tower, "model.embed_audio": embedder},
+        [(n, t) for n, t in state.items()
+         if n.startswith(("model.audio_tower.", "model.embed_audio."))])
+    assert loaded == {f"model.audio_tower.{n}" for n, _ in
+                      tower.named_parameters()} | {
+        f"model.embed_audio.{n}" for n, _ in embedder.named_parameters()}
+    hidden, mask = tower(jnp.asarray(features["input_features"].numpy()),
+                         jnp.asarray(features["input_features_mask"].numpy()))
+    got = np.asarray(embedder(hidden))[0][np.asarray(mask[0])]
+    assert got.shape == ref.shape == (33, config.text_config.hidden_size)
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_audio_answer_equals_transformers(served):
+    server, hf, processor, model = served
+    clip = tiny_mm.speech_like(1, 2.0)
+    r = server.post("/v1/chat/completions",
+                    audio_body(model, tiny_mm.input_audio_part(clip)))
+    prompt_ids, tokens = hf_audio_reference(hf, processor, clip)
+    assert r["prompt_token_ids"] == prompt_ids
+    assert prompt_ids.count(tiny_mm.MM_IDS["audio_token"]) == 50
+    assert r["choices"][0]["token_ids"] == tokens
+
+
+def test_two_clips_give_different_answers(served):
+    server, hf, processor, model = served
+    answers = []
+    for seed, seconds in ((2, 1.0), (3, 3.0)):
+        clip = tiny_mm.speech_like(seed, seconds)
+        r = server.post("/v1/chat/completions", audio_body(
+            model, tiny_mm.input_audio_part(clip), logprobs=True,
+            top_logprobs=1))
+        assert r["choices"][0]["token_ids"] == hf_audio_reference(
+            hf, processor, clip)[1]
+        answers.append([t["logprob"] for t in
+                        r["choices"][0]["logprobs"]["content"]])
+    assert answers[0] != answers[1]
+
+
+def test_audio_image_and_text_together(served):
+    """An audio chat, an image chat and two text requests sent at once
+    (batched into the same steps) each answer as transformers does."""
+    server, hf, processor, model = served
+    clip = tiny_mm.speech_like(4, 1.5)
+    image_body = {"model": str(model), "temperature": 0, "max_tokens": 8,
+                  "ignore_eos": True, "return_token_ids": True,
+                  "messages": [{"role": "user", "content": [
+                      {"type": "image_url",
+                       "image_url": {"url": tiny_mm.png_data_uri(1)}},
+                      {"type": "text", "text": "What is in the image?"}]}]}
+    texts = ["Two requests of text", "beside the audio and the image"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        audio = pool.submit(server.post, "/v1/chat/completions",
+                            audio_body(model, tiny_mm.input_audio_part(clip)))
+        image = pool.submit(server.post, "/v1/chat/completions", image_body)
+        text = [pool.submit(complete, server, model, t, 8) for t in texts]
+        audio, image = audio.result(), image.result()
+        text = [t.result() for t in text]
+    assert audio["choices"][0]["token_ids"] == hf_audio_reference(
+        hf, processor, clip)[1]
+    _, image_tokens = tiny_mm.hf_image_greedy(hf, processor, [{
+        "role": "user", "content": [
+            {"type": "image", "image": tiny_mm.png_image(1)},
+            {"type": "text", "text": "What is in the image?"}]}], 8)
+    assert image["choices"][0]["token_ids"] == image_tokens
+    for prompt_ids, tokens in text:
+        assert tokens == hf_greedy(hf, prompt_ids, 8)
+
+
+def _status(server, body):
+    try:
+        server.post("/v1/chat/completions", body)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+    return 200, {}
+
+
+def _raw_part(data: bytes, fmt="wav"):
+    return {"type": "input_audio", "input_audio": {
+        "data": base64.b64encode(data).decode(), "format": fmt}}
+
+
+BAD_AUDIO = {
+    "undecodable": (lambda: _raw_part(b"RIFF" + bytes(64)), "audio"),
+    "unsupported_format": (lambda: _raw_part(b"%PDF-1.4 not audio", "pdf"),
+                           "audio"),
+    "too_long": (lambda: tiny_mm.input_audio_part(
+        tiny_mm.speech_like(6, 5.0)), "at most 4.0 s"),
+    "empty": (lambda: tiny_mm.input_audio_part(
+        np.zeros(0, np.float32)), "empty"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_AUDIO))
+def test_bad_audio_is_a_400_and_the_engine_serves_on(served, case):
+    server, hf, processor, model = served
+    part, expect = BAD_AUDIO[case]
+    code, body = _status(server, audio_body(model, part(), n=4))
+    assert code == 400, (case, code, body)
+    assert expect in json.dumps(body), (case, body)
+    urllib.request.urlopen(server.url + "/health", timeout=10)
+    clip = tiny_mm.speech_like(1, 2.0)
+    r = server.post("/v1/chat/completions",
+                    audio_body(model, tiny_mm.input_audio_part(clip)))
+    assert r["choices"][0]["token_ids"] == hf_audio_reference(
+        hf, processor, clip)[1]
+
+
+def test_more_clips_than_allowed_is_a_400(served):
+    server, _, _, model = served
+    clip = tiny_mm.input_audio_part(tiny_mm.speech_like(1, 1.0))
+    body = audio_body(model, clip, n=4)
+    body["messages"][0]["content"].insert(0, clip)
+    code, error = _status(server, body)
+    assert code == 400 and "at most 1" in json.dumps(error).lower(), (
+        code, error)

@@ -1,0 +1,238 @@
+"""Audio input on Gemma 4 E2B / E4B, under --load-format gemma_qat only.
+Upstream patch: patches/0015-* (write-up: patches/README.md).
+
+tpu-inference 0.32's JAX Gemma 4 has no audio tower: its loader drops the
+checkpoint's `audio_tower.*` / `embed_audio.*` tensors and it merges image
+embeddings only, so vLLM's Gemma 4 processor (which accepts audio whenever
+the config has an `audio_config`) hands the runner features no model reads.
+Here, for a checkpoint with an audio tower:
+
+- the model gets `audio_tower` and `embed_audio` (fixes/audio_tower.py),
+  loaded from those tensors by name and shape;
+- `embed_multimodal` turns vLLM's `input_features_padded` /
+  `input_features_mask` into one embedding per clip: the clip's frames
+  padded to a multiple of 128 (as the feature extractor pads them; one
+  compiled program per length), the tower, the embedder, the valid frames;
+- the audio soft tokens are merged, and masked out of the per-layer
+  inputs, where the image soft tokens are: the model's two token-id
+  comparisons see the audio token as the image token;
+- the API server refuses (400) an empty clip and one longer than the
+  processor's limit (`audio_seq_length` soft tokens of
+  `audio_ms_per_token`): vLLM's Gemma 4 processor only logs a warning for
+  the latter and gives it fewer placeholders than the tower makes tokens.
+"""
+from __future__ import annotations
+
+import functools
+
+from vllm_gemma_qat import substitute
+from vllm_gemma_qat.gate import LOAD_FORMAT, is_gemma_qat
+from vllm_gemma_qat.substitute import Substitution
+
+TARGET_MODULE = "tpu_inference.models.jax.gemma4_mm"
+RENDERER_MODULE = "vllm.renderers.base"
+MODEL = f"{TARGET_MODULE}:Gemma4ForConditionalGeneration"
+AUDIO_PREFIXES = ("model.audio_tower.", "model.embed_audio.")
+# Gemma4AudioFeatureExtractor pads to a multiple of this many frames.
+FRAME_BUCKET = 128
+
+
+def install() -> None:
+    substitute.apply_on_import(
+        TARGET_MODULE, substitutions,
+        f"vllm-gemma-qat (--load-format {LOAD_FORMAT} only, audio)")
+    substitute.apply_on_import(
+        RENDERER_MODULE, request_substitutions,
+        f"vllm-gemma-qat (--load-format {LOAD_FORMAT} only, audio requests)")
+
+
+def request_substitutions() -> list[Substitution]:
+    return [Substitution(
+        f"{RENDERER_MODULE}:BaseRenderer._process_multimodal",
+        _refusing_bad_clips, "an empty audio clip, or one longer than the "
+        "model takes, is a 400", wraps=True)]
+
+
+def substitutions() -> list[Substitution]:
+    return [
+        Substitution(f"{TARGET_MODULE}:Gemma4MmModel.__init__", _with_tower,
+                     "a checkpoint with an audio_config gets the audio "
+                     "tower and its embedder", wraps=True),
+        Substitution(f"{MODEL}.load_weights", _loads_audio,
+                     "audio_tower.* / embed_audio.* loaded, not dropped",
+                     wraps=True),
+        Substitution(f"{MODEL}.embed_multimodal", _embeds_audio,
+                     "audio features become embeddings", wraps=True),
+        Substitution(f"{MODEL}.embed_input_ids", _audio_as_image_token,
+                     "audio embeddings merged at the audio soft tokens",
+                     wraps=True),
+        Substitution(f"{MODEL}.__call__", _audio_as_image_token_in_call,
+                     "audio soft tokens masked out of the per-layer inputs",
+                     wraps=True),
+    ]
+
+
+def has_audio(model) -> bool:
+    return hasattr(model.model, "audio_tower")
+
+
+def _with_tower(init):
+
+    @functools.wraps(init)
+    def wrapped(self, vllm_config, rng, mesh, prefix="model"):
+        init(self, vllm_config, rng, mesh, prefix)
+        hf_config = vllm_config.model_config.hf_config
+        audio_config = getattr(hf_config, "audio_config", None)
+        if audio_config is not None and is_gemma_qat(vllm_config):
+            from vllm_gemma_qat.fixes.audio_tower import (AudioEmbedder,
+                                                          Gemma4AudioModel)
+            dtype = _jax_dtype(vllm_config)
+            self.audio_tower = Gemma4AudioModel(audio_config, dtype)
+            self.embed_audio = AudioEmbedder(
+                audio_config, hf_config.text_config.hidden_size, dtype)
+
+    return wrapped
+
+
+def _loads_audio(load_weights):
+
+    @functools.wraps(load_weights)
+    def wrapped(self, weights):
+        if not has_audio(self):
+            return load_weights(self, weights)
+        from vllm_gemma_qat.fixes.audio_tower import load_audio_weights
+        audio = []
+
+        def rest():
+            for name, tensor in weights:
+                if name.startswith(AUDIO_PREFIXES):
+                    audio.append((name, tensor))
+                else:
+                    yield name, tensor
+
+        loaded = set(load_weights(self, rest()))
+        modules = {"model.audio_tower": self.model.audio_tower,
+                   "model.embed_audio": self.model.embed_audio}
+        return loaded | load_audio_weights(modules, audio)
+
+    return wrapped
+
+
+def _embeds_audio(embed_multimodal):
+
+    @functools.wraps(embed_multimodal)
+    def wrapped(self, **kwargs):
+        features = kwargs.pop("input_features_padded", None)
+        masks = kwargs.pop("input_features_mask", None)
+        if features is None or not has_audio(self):
+            return embed_multimodal(self, **kwargs)
+        return [audio_embedding(self, f, m) for f, m in zip(features, masks)]
+
+    return wrapped
+
+
+def audio_embedding(model, features, mask):
+    """One clip's embeddings [valid tokens, text hidden]: `features`
+    [frames, mel] and `mask` [frames] (torch or numpy; vLLM hands over the
+    valid frames only)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+    features = np.asarray(features, dtype=np.float32)
+    mask = np.asarray(mask, dtype=bool)
+    frames = features.shape[0]
+    padded = -(-frames // FRAME_BUCKET) * FRAME_BUCKET
+    features = np.pad(features, ((0, padded - frames), (0, 0)))[None]
+    mask = np.pad(mask, (0, padded - frames))[None]
+    replicated = NamedSharding(model.mesh, PartitionSpec())
+    dtype = _jax_dtype(model.vllm_config)
+    embeds, valid = _embed_clip()(
+        model.model.audio_tower, model.model.embed_audio,
+        jax.device_put(jnp.asarray(features, dtype), replicated),
+        jax.device_put(jnp.asarray(mask), replicated))
+    # The valid frames are a prefix: the tower's mask keeps every other
+    # frame twice.
+    return embeds[0, :int(np.asarray(valid).sum())]
+
+
+def _jax_dtype(vllm_config):
+    from tpu_inference.utils import get_jax_dtype_from_str_dtype
+    return get_jax_dtype_from_str_dtype(
+        str(vllm_config.model_config.dtype).split(".")[-1])
+
+
+@functools.cache
+def _embed_clip():
+    import jax
+
+    @jax.jit
+    def embed(tower, embedder, features, mask):
+        hidden, valid = tower(features, mask)
+        return embedder(hidden), valid
+
+    return embed
+
+
+def _audio_token_as_image_token(model, input_ids):
+    if input_ids is None or not has_audio(model):
+        return input_ids
+    import jax.numpy as jnp
+    audio = model.vllm_config.model_config.hf_config.audio_token_id
+    return jnp.where(input_ids == audio, model.image_token_id, input_ids)
+
+
+def _audio_as_image_token(embed_input_ids):
+
+    @functools.wraps(embed_input_ids)
+    def wrapped(self, input_ids, *args, **kwargs):
+        return embed_input_ids(
+            self, _audio_token_as_image_token(self, input_ids), *args,
+            **kwargs)
+
+    return wrapped
+
+
+def _audio_as_image_token_in_call(call):
+
+    @functools.wraps(call)
+    def wrapped(self, kv_caches, input_ids, *args, **kwargs):
+        return call(self, kv_caches,
+                    _audio_token_as_image_token(self, input_ids), *args,
+                    **kwargs)
+
+    return wrapped
+
+
+def _refusing_bad_clips(process_multimodal):
+
+    @functools.wraps(process_multimodal)
+    def wrapped(self, prompt, mm_data, *args, **kwargs):
+        clips = (mm_data or {}).get("audio")
+        if clips is not None and is_gemma_qat(self.config):
+            processor = self.get_mm_processor().info.get_hf_processor()
+            check_clips(clips, processor)
+        return process_multimodal(self, prompt, mm_data, *args, **kwargs)
+
+    return wrapped
+
+
+def check_clips(clips, processor) -> None:
+    """ValueError (vLLM's API server answers 400) naming the first clip
+    that is empty or longer than `processor` (a Gemma4Processor) takes."""
+    rate = processor.feature_extractor.sampling_rate
+    limit_s = processor.audio_seq_length * processor.audio_ms_per_token / 1000
+    if not isinstance(clips, (list, tuple)) or (
+            len(clips) == 2 and not hasattr(clips[1], "__len__")):
+        clips = [clips]
+    for i, clip in enumerate(clips):
+        samples, clip_rate = (clip if isinstance(clip, tuple) else
+                              (clip, rate))
+        seconds = len(samples) / clip_rate
+        if len(samples) == 0:
+            raise ValueError(f"audio clip {i + 1} is empty (no samples)")
+        if seconds > limit_s:
+            raise ValueError(
+                f"audio clip {i + 1} lasts {seconds:.1f} s; this model "
+                f"takes at most {limit_s:.1f} s ({processor.audio_seq_length}"
+                f" soft tokens of {processor.audio_ms_per_token} ms)")
