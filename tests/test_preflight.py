@@ -281,3 +281,32 @@ def test_images_in_inspect_and_plan(tiny_models):
     assert f"3 images per agent take {3 * tokens} of its 256" in out
     rc, s = inspect_json(tiny_models.checkpoint("e4b", False, "qat"))
     assert s["tokens_per_image"] is None and s["vision_tower_bytes"] == 0
+
+
+def test_audio_in_inspect_and_plan(tmp_path):
+    # A checkpoint with an audio tower: gemma_qat serves it, so inspect
+    # and plan count its bytes (summed here from the shard itself) whole on
+    # every chip, and a clip's KV positions (Gemma4Processor's default
+    # budget, 750 soft tokens, plus boa / eoa).
+    from safetensors import safe_open
+
+    from vllm_gemma_qat.testing import tiny, tiny_mm
+    path = tiny.save_checkpoint(tiny_mm.build_model("e2b", audio=True),
+                                tmp_path / "audio")
+    with safe_open(path / "model.safetensors", "np") as f:
+        audio = sum(f.get_tensor(n).nbytes for n in f.keys()
+                    if ".audio_tower." in n or ".embed_audio." in n)
+    rc, s = inspect_json(path)
+    assert rc == 0 and audio > 0 and s["loads_with_gemma_qat"]
+    assert (s["audio_tower_bytes"], s["tokens_per_audio_clip"]) == (audio, 752)
+    rc, out, _ = cli("plan", path, "--context", 1024, "--json")
+    with_audio = json.loads(out)
+    assert with_audio["audio_tower_bytes"] == audio
+    assert with_audio["tokens_per_audio_clip"] == 752
+    rc, out, _ = cli("plan", tiny.save_checkpoint(
+        tiny_mm.build_model("e2b"), tmp_path / "no-audio"), "--context",
+        1024, "--json")
+    without = json.loads(out)
+    assert without["tokens_per_audio_clip"] is None
+    assert with_audio["weight_bytes_per_chip"] - without[
+        "weight_bytes_per_chip"] == audio

@@ -72,6 +72,9 @@ def inspect_summary(ckpt, report: geometry.CheckpointReport) -> dict:
         "vision_tower_bytes": sum(i.nbytes for n, i in ckpt.tensors.items()
                                   if plan.is_vision_tensor(n)),
         "tokens_per_image": plan.soft_tokens_per_image(ckpt.config),
+        "audio_tower_bytes": sum(i.nbytes for n, i in ckpt.tensors.items()
+                                 if plan.is_audio_tensor(n)),
+        "tokens_per_audio_clip": plan.soft_tokens_per_clip(ckpt.config),
     }
 
 
@@ -114,6 +117,10 @@ def _print_inspect(s: dict) -> None:
         print(f"images        vision tower {_gb(s['vision_tower_bytes'])}; up "
               f"to {s['tokens_per_image']} tokens of context per image (soft "
               "tokens + boi/eoi; `plan --images N` for their KV)")
+    if s["tokens_per_audio_clip"]:
+        print(f"audio         audio tower {_gb(s['audio_tower_bytes'])} (served "
+              f"by gemma_qat); up to {s['tokens_per_audio_clip']} tokens of "
+              "context per clip (30 s: soft tokens + boa/eoa)")
     yes = {True: "yes", False: "no"}
     print(f"verdict       loads with --load-format gemma_qat: "
           f"{yes[s['loads_with_gemma_qat']]}; with stock auto: "
@@ -171,6 +178,7 @@ def cmd_plan(args) -> int:
                        hbm_gib=args.hbm_gib, utilization=args.utilization,
                        form=args.weights, tp=args.tp,
                        tokens_per_image=plan.soft_tokens_per_image(config),
+                       tokens_per_audio_clip=plan.soft_tokens_per_clip(config),
                        images_per_agent=args.images,
                        dtype_bytes=targets.SERVED_DTYPE_BYTES[args.dtype],
                        max_num_batched_tokens=args.max_num_batched_tokens,
@@ -245,6 +253,11 @@ def cmd_plan(args) -> int:
                   f"{args.context} context tokens "
                   f"({_gb(p.images_per_agent * p.kv_bytes_per_image)} of KV "
                   "per agent)")
+    if p.tokens_per_audio_clip:
+        print(f"audio         up to {p.tokens_per_audio_clip} tokens a clip "
+              f"(30 s): {p.tokens_per_audio_clip * p.kv_bytes_per_token / 2**20:.1f}"
+              f" MiB of KV; audio tower {_gb(p.audio_tower_bytes)}, whole on "
+              "every chip")
     return 0 if ok else 1
 
 

@@ -179,6 +179,25 @@ def soft_tokens_per_image(config: dict) -> int | None:
     return vision.get("default_output_length", 280) + 2
 
 
+AUDIO_PREFIXES = (".audio_tower.", ".embed_audio.")
+# Gemma4Processor's default audio_seq_length: 750 soft tokens of 40 ms
+# (30 s) a clip at most.
+AUDIO_SOFT_TOKENS = 750
+
+
+def is_audio_tensor(name: str) -> bool:
+    return any(p in name for p in AUDIO_PREFIXES)
+
+
+def soft_tokens_per_clip(config: dict) -> int | None:
+    """The most KV positions one audio clip takes: Gemma4Processor's
+    default budget (AUDIO_SOFT_TOKENS) plus its begin / end-of-audio
+    tokens. None without an audio tower."""
+    if not config.get("audio_config"):
+        return None
+    return AUDIO_SOFT_TOKENS + 2
+
+
 @dataclass(frozen=True)
 class Weights:
     """What the chips hold: language-model tensors (name relative to the
@@ -191,6 +210,7 @@ class Weights:
     # counted whole on every chip (an upper bound under TP). It holds no KV
     # of its own: its layers read the target's cache.
     assistant_bytes: int = 0
+    audio_bytes: int = 0  # the part of other_bytes that is the audio tower
 
     def per_chip(self, geo: Geometry, form: str, tp: int,
                  dtype_bytes: int | None = None) -> tuple[int, int]:
@@ -255,6 +275,8 @@ class Plan:
     images_per_agent: int
     kv_bytes_per_image: int | None  # per chip
     assistant_bytes: int = 0  # in weight_bytes (and per chip, whole)
+    audio_tower_bytes: int = 0  # whole on every chip
+    tokens_per_audio_clip: int | None = None  # KV positions, boa / eoa too
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -264,6 +286,7 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
               context: int, kv_dtype: str = "bf16", hbm_gib: float = 32.0,
               utilization: float = 0.92, form: str = "bf16",
               tp: int = 1, tokens_per_image: int | None = None,
+              tokens_per_audio_clip: int | None = None,
               images_per_agent: int = 0,
               dtype_bytes: int | None = None,
               max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
@@ -339,4 +362,6 @@ def make_plan(geo: Geometry, weights: Weights, *, agents: int,
         kv_bytes_per_image=tokens_per_image * per_token
         if tokens_per_image else None,
         assistant_bytes=weights.assistant_bytes,
+        audio_tower_bytes=weights.audio_bytes,
+        tokens_per_audio_clip=tokens_per_audio_clip,
     )

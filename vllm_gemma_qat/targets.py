@@ -76,12 +76,12 @@ def plan_inputs(target: str, int4_export_ok: bool = False):
             f"{target}: plan takes a bf16 export (regular or QAT bf16); pass "
             "--weights int4 for the 4-bit figure")
     skipped = set(report.skipped)
-    tensors, other, other_numel, vision, dtypes = {}, 0, 0, 0, set()
+    tensors, other, other_numel, vision, audio, dtypes = {}, 0, 0, 0, 0, set()
     if report.export_kind == "qat-w4a16-ct":
         tensors = {n: (2 * checkpoint.numel(s), checkpoint.numel(s))
                    for n, s in report.geometry.expected("").items()}
     for name, info in ckpt.tensors.items():
-        if name in skipped or ".audio_tower." in name or ".embed_audio." in name:
+        if name in skipped:
             continue
         dtypes.add(info.dtype.lower())
         if geometry.is_language_model_tensor(name, report.prefix):
@@ -92,8 +92,9 @@ def plan_inputs(target: str, int4_export_ok: bool = False):
             other += info.nbytes
             other_numel += info.numel
             vision += info.nbytes if plan.is_vision_tensor(name) else 0
+            audio += info.nbytes if plan.is_audio_tensor(name) else 0
     return (report.geometry, plan.Weights(tensors, other, vision,
-                                          other_numel),
+                                          other_numel, audio_bytes=audio),
             ", ".join(sorted(dtypes)), "checkpoint headers", ckpt.config)
 
 
