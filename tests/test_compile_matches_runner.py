@@ -7,7 +7,8 @@ times each; size the same KV cache (pages); and count the weights the
 loaded server holds (int4 at half a byte a value).
 
 Three flag sets: a text-only int4 checkpoint with two token buckets and
-two request buckets; a multimodal one (its image programs); and a
+two request buckets; a multimodal one with an audio tower (its image
+programs, and the audio tower's for every frame bucket); and a
 multimodal one with the Gemma 4 assistant (speculative decoding, async
 scheduling)."""
 import ast
@@ -18,7 +19,7 @@ from collections import Counter
 import pytest
 
 from vllm_gemma_qat.cpu.server import CpuServer
-from vllm_gemma_qat.testing import tiny
+from vllm_gemma_qat.testing import tiny, tiny_mm
 
 # CPU mode's default "HBM" (VLLM_GEMMA_QAT_CPU_MEMORY_GIB)
 CPU_MEMORY_GIB = 0.1
@@ -49,6 +50,8 @@ def served(request, tmp_path_factory):
     if request.param == "text-int4":
         tiny.save_servable_int4(model, "w4a16", "e4b", multimodal=False,
                                 bare=True)
+    elif request.param == "multimodal":
+        tiny_mm.save_servable_mm(model, "e2b", audio=True)
     else:
         tiny.save_servable(model, "e2b")
     assistant = None
@@ -91,6 +94,11 @@ def test_compile_lists_what_the_runner_precompiles(served, monkeypatch):
     log = server.log.read_text()
     runner = precompiled(log)
     assert len(runner) > 5, log[-3000:]
+    if name == "multimodal":
+        from vllm_gemma_qat.fixes.audio import FRAME_BUCKETS
+        assert sorted(ast.literal_eval(shape)[0][1] for program, shape in
+                      runner if program == "audio_encoder") == sorted(
+                          FRAME_BUCKETS)
     compiled = Counter((p.name, repr(sorted(p.shape.items())))
                        for p in report.programs)
     assert compiled == runner

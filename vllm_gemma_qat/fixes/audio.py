@@ -11,8 +11,9 @@ Here, for a checkpoint with an audio tower:
   loaded from those tensors by name and shape;
 - `embed_multimodal` turns vLLM's `input_features_padded` /
   `input_features_mask` into one embedding per clip: the clip's frames
-  padded to a multiple of 128 (as the feature extractor pads them; one
-  compiled program per length), the tower, the embedder, the valid frames;
+  padded to a bucket (FRAME_BUCKETS), the tower, the embedder, the valid
+  frames; the runner's precompile (`precompile_vision_encoder`, the
+  multimodal precompile hook) compiles every bucket;
 - the audio soft tokens are merged, and masked out of the per-layer
   inputs, where the image soft tokens are: the model's two token-id
   comparisons see the audio token as the image token;
@@ -33,8 +34,12 @@ TARGET_MODULE = "tpu_inference.models.jax.gemma4_mm"
 RENDERER_MODULE = "vllm.renderers.base"
 MODEL = f"{TARGET_MODULE}:Gemma4ForConditionalGeneration"
 AUDIO_PREFIXES = ("model.audio_tower.", "model.embed_audio.")
-# Gemma4AudioFeatureExtractor pads to a multiple of this many frames.
-FRAME_BUCKET = 128
+# A clip's log-mel frames are padded to one of these (one compiled tower
+# program each; the runner's precompile compiles them all): 10 ms frames,
+# 30 s (Gemma4Processor's 750 soft tokens of 40 ms) at most. Padding
+# frames are masked, so a clip's embeddings do not depend on its bucket.
+FRAME_BUCKETS = (128, 256, 512, 1024, 2048, 3072)
+MEL_BINS = 128
 
 
 def install() -> None:
@@ -63,6 +68,10 @@ def substitutions() -> list[Substitution]:
                      wraps=True),
         Substitution(f"{MODEL}.embed_multimodal", _embeds_audio,
                      "audio features become embeddings", wraps=True),
+        Substitution(f"{MODEL}.precompile_vision_encoder",
+                     _precompiles_audio, "the runner's multimodal precompile "
+                     "compiles the audio tower for every frame bucket",
+                     wraps=True),
         Substitution(f"{MODEL}.embed_input_ids", _audio_as_image_token,
                      "audio embeddings merged at the audio soft tokens",
                      wraps=True),
@@ -142,7 +151,7 @@ def audio_embedding(model, features, mask):
     features = np.asarray(features, dtype=np.float32)
     mask = np.asarray(mask, dtype=bool)
     frames = features.shape[0]
-    padded = -(-frames // FRAME_BUCKET) * FRAME_BUCKET
+    padded = frame_bucket(frames)
     features = np.pad(features, ((0, padded - frames), (0, 0)))[None]
     mask = np.pad(mask, (0, padded - frames))[None]
     replicated = NamedSharding(model.mesh, PartitionSpec())
@@ -154,6 +163,34 @@ def audio_embedding(model, features, mask):
     # The valid frames are a prefix: the tower's mask keeps every other
     # frame twice.
     return embeds[0, :int(np.asarray(valid).sum())]
+
+
+def frame_bucket(frames: int) -> int:
+    """The smallest of FRAME_BUCKETS that holds `frames` (beyond the last,
+    which the API server's length check keeps out: a multiple of it)."""
+    for bucket in FRAME_BUCKETS:
+        if frames <= bucket:
+            return bucket
+    return -(-frames // FRAME_BUCKETS[-1]) * FRAME_BUCKETS[-1]
+
+
+def _precompiles_audio(precompile_vision_encoder):
+
+    @functools.wraps(precompile_vision_encoder)
+    def wrapped(self, run_compilation_fn):
+        precompile_vision_encoder(self, run_compilation_fn)
+        if not has_audio(self):
+            return
+        import numpy as np
+        dtype = np.dtype(_jax_dtype(self.vllm_config))
+        for frames in FRAME_BUCKETS:
+            # Host arrays, as the vision precompile's dummy images are.
+            run_compilation_fn("audio_encoder", _embed_clip(),
+                               self.model.audio_tower, self.model.embed_audio,
+                               np.zeros((1, frames, MEL_BINS), dtype),
+                               np.ones((1, frames), bool), frames=frames)
+
+    return wrapped
 
 
 def _jax_dtype(vllm_config):
