@@ -4,7 +4,7 @@ speculative drafter's load config and quantization; sliding-window KV,
 #3220; no async placeholder for discarded samples under speculation;
 prompt_logprobs refused where the runner cannot serve them; text-only
 checkpoints as transformers saves them; padded draft tokens in rejection
-sampling; dense int4 gmm_v2 tiles):
+sampling; dense int4 gmm_v2 tiles; f32 int4 scales; audio input):
 applied to a copy of the installed (pinned) tpu-inference, stock `auto`
 loads both layouts with no plugin, each patch's own tests pass, and the
 plugin steps aside."""
@@ -76,6 +76,11 @@ NEW_TEST_FILES = {
     "0014-Quantization-wNa16-Hold-the-gmm_v2-kernel-s-scales-in-f32.patch": (
         "tests/layers/jax/quantization/test_wna16_scale_dtype.py",
         ("tpu_inference/layers/jax/quantization/wna16.py", ), 2),
+    "0015-Gemma4-Audio-input-the-conformer-audio-tower-and-its-embedder"
+    ".patch": (
+        "tests/models/jax/test_gemma4_audio.py",
+        ("tpu_inference/models/jax/gemma4_mm.py",
+         "tpu_inference/models/jax/gemma4_audio.py"), 3),
 }
 
 

@@ -533,8 +533,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-sampling", action="store_true",
                    help="skip sample")
     p.add_argument("--no-images", action="store_true",
-                   help="skip a multimodal model's image programs (vision "
-                   "encoder, embedding merge, step with input embeddings), "
+                   help="skip a multimodal model's image and audio programs "
+                   "(vision encoder, audio encoder, embedding merge, step "
+                   "with input embeddings), "
                    "which the runner compiles for a multimodal model")
     p.add_argument("--no-helpers", action="store_true",
                    help="skip the runner's small helper programs "

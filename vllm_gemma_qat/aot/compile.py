@@ -35,7 +35,7 @@ SKIPPABLE = {
     "logits": ("compute_logits", ),
     "sampling": (" sample", ),
     "images": ("input_embeddings_merger", "backbone with embeds",
-               "vision_encoder"),
+               "vision_encoder", "audio_encoder"),
 }
 
 

@@ -90,6 +90,8 @@ def _with_tower(init):
     @functools.wraps(init)
     def wrapped(self, vllm_config, rng, mesh, prefix="model"):
         init(self, vllm_config, rng, mesh, prefix)
+        if hasattr(self, "audio_tower"):
+            return  # tpu-inference with patch 0015 builds it already
         hf_config = vllm_config.model_config.hf_config
         audio_config = getattr(hf_config, "audio_config", None)
         if audio_config is not None and is_gemma_qat(vllm_config):
