@@ -190,3 +190,35 @@ def test_more_clips_than_allowed_is_a_400(served):
     code, error = _status(server, body)
     assert code == 400 and "at most 1" in json.dumps(error).lower(), (
         code, error)
+
+
+def test_a_clip_at_another_rate_is_resampled(served):
+    """A 44.1 kHz WAV: resampled to the feature extractor's 16 kHz with
+    soxr (vLLM's own `soxr` method; vLLM's default, torchaudio, is not in
+    vllm-tpu's [audio] extra) and answered as transformers answers those
+    samples."""
+    import soxr
+    server, hf, processor, model = served
+    clip = tiny_mm.speech_like(7, 1.5, rate=44_100)
+    r = server.post("/v1/chat/completions", audio_body(
+        model, tiny_mm.input_audio_part(clip, rate=44_100)))
+    resampled = soxr.resample(clip, 44_100, tiny_mm.SAMPLE_RATE)
+    prompt_ids, tokens = hf_audio_reference(hf, processor, resampled)
+    assert r["prompt_token_ids"] == prompt_ids
+    assert r["choices"][0]["token_ids"] == tokens
+
+
+@pytest.mark.parametrize("limit,tower", [(None, True), ({"audio": 0}, False),
+                                         ({"image": 0, "audio": 2}, True)])
+def test_an_audio_limit_of_zero_leaves_the_tower_out(served, limit, tower):
+    """As vLLM's own models skip a tower whose modality is limited to 0
+    (on a v5e-1 its ~0.6 GB of weights and six programs are HBM a text or
+    image server can use)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_gemma_qat.fixes import audio
+    model = served[3]
+    extra = {} if limit is None else {"limit_mm_per_prompt": limit}
+    config = EngineArgs(model=str(model), max_model_len=256,
+                        **extra).create_engine_config()
+    assert audio.wants_tower(config) is tower

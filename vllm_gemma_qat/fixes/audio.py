@@ -20,7 +20,10 @@ Here, for a checkpoint with an audio tower:
 - the API server refuses (400) an empty clip and one longer than the
   processor's limit (`audio_seq_length` soft tokens of
   `audio_ms_per_token`): vLLM's Gemma 4 processor only logs a warning for
-  the latter and gives it fewer placeholders than the tower makes tokens.
+  the latter and gives it fewer placeholders than the tower makes tokens;
+  and, where torchaudio is missing, resamples a clip not at 16 kHz with
+  soxr (vLLM's default resampler is torchaudio, which vllm-tpu's [audio]
+  extra does not install: a 500).
 """
 from __future__ import annotations
 
@@ -54,8 +57,9 @@ def install() -> None:
 def request_substitutions() -> list[Substitution]:
     return [Substitution(
         f"{RENDERER_MODULE}:BaseRenderer._process_multimodal",
-        _refusing_bad_clips, "an empty audio clip, or one longer than the "
-        "model takes, is a 400", wraps=True)]
+        _checking_clips, "an empty audio clip, or one longer than the "
+        "model takes, is a 400; without torchaudio, a clip at another rate "
+        "is resampled with soxr (not a 500)", wraps=True)]
 
 
 def substitutions() -> list[Substitution]:
@@ -81,6 +85,18 @@ def substitutions() -> list[Substitution]:
     ]
 
 
+def wants_tower(vllm_config) -> bool:
+    """A checkpoint with an audio tower, served with audio allowed: as
+    vLLM's own models do, `--limit-mm-per-prompt '{"audio": 0}'` leaves the
+    tower out (its weights are then read and dropped, as tpu-inference
+    0.32 drops them)."""
+    model_config = vllm_config.model_config
+    mm_config = getattr(model_config, "multimodal_config", None)
+    return (getattr(model_config.hf_config, "audio_config", None) is not None
+            and mm_config is not None
+            and mm_config.get_limit_per_prompt("audio") > 0)
+
+
 def has_audio(model) -> bool:
     return hasattr(model.model, "audio_tower")
 
@@ -93,8 +109,8 @@ def _with_tower(init):
         if hasattr(self, "audio_tower"):
             return  # tpu-inference with patch 0015 builds it already
         hf_config = vllm_config.model_config.hf_config
-        audio_config = getattr(hf_config, "audio_config", None)
-        if audio_config is not None and is_gemma_qat(vllm_config):
+        if wants_tower(vllm_config) and is_gemma_qat(vllm_config):
+            audio_config = hf_config.audio_config
             from vllm_gemma_qat.fixes.audio_tower import (AudioEmbedder,
                                                           Gemma4AudioModel)
             dtype = _jax_dtype(vllm_config)
@@ -243,27 +259,31 @@ def _audio_as_image_token_in_call(call):
     return wrapped
 
 
-def _refusing_bad_clips(process_multimodal):
+def _checking_clips(process_multimodal):
 
     @functools.wraps(process_multimodal)
     def wrapped(self, prompt, mm_data, *args, **kwargs):
         clips = (mm_data or {}).get("audio")
         if clips is not None and is_gemma_qat(self.config):
             processor = self.get_mm_processor().info.get_hf_processor()
-            check_clips(clips, processor)
+            mm_data = {**mm_data, "audio": checked_clips(clips, processor)}
         return process_multimodal(self, prompt, mm_data, *args, **kwargs)
 
     return wrapped
 
 
-def check_clips(clips, processor) -> None:
-    """ValueError (vLLM's API server answers 400) naming the first clip
-    that is empty or longer than `processor` (a Gemma4Processor) takes."""
+def checked_clips(clips, processor) -> list:
+    """The request's clips, each checked against `processor` (a
+    Gemma4Processor): a ValueError (vLLM's API server answers 400) names
+    the first that is empty or longer than the model takes. Without
+    torchaudio (vLLM's default resampler, which vllm-tpu's [audio] extra
+    lacks), a clip at another rate is resampled here with soxr (vLLM's
+    `soxr` method): vLLM would fail on it with a 500."""
     rate = processor.feature_extractor.sampling_rate
     limit_s = processor.audio_seq_length * processor.audio_ms_per_token / 1000
-    if not isinstance(clips, (list, tuple)) or (
-            len(clips) == 2 and not hasattr(clips[1], "__len__")):
+    if not isinstance(clips, list):
         clips = [clips]
+    out = []
     for i, clip in enumerate(clips):
         samples, clip_rate = (clip if isinstance(clip, tuple) else
                               (clip, rate))
@@ -275,3 +295,14 @@ def check_clips(clips, processor) -> None:
                 f"audio clip {i + 1} lasts {seconds:.1f} s; this model "
                 f"takes at most {limit_s:.1f} s ({processor.audio_seq_length}"
                 f" soft tokens of {processor.audio_ms_per_token} ms)")
+        if round(clip_rate) != rate and not _has_torchaudio():
+            from vllm.multimodal.audio import resample_audio_soxr
+            clip = (resample_audio_soxr(samples, orig_sr=clip_rate,
+                                        target_sr=rate), rate)
+        out.append(clip)
+    return out
+
+
+def _has_torchaudio() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("torchaudio") is not None
