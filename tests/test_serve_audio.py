@@ -222,3 +222,31 @@ def test_an_audio_limit_of_zero_leaves_the_tower_out(served, limit, tower):
     config = EngineArgs(model=str(model), max_model_len=256,
                         **extra).create_engine_config()
     assert audio.wants_tower(config) is tower
+
+
+@pytest.mark.parametrize("form", ["audio_url", "mp3"])
+def test_audio_url_and_mp3_parts(served, form):
+    """An `audio_url` part (a data: URI) and an MP3 `input_audio` part:
+    answered as transformers answers the samples the file decodes to
+    (soundfile decodes both sides: the server's first decoder there, as
+    torchcodec is not installed)."""
+    import io
+
+    import soundfile
+    server, hf, processor, model = served
+    clip = tiny_mm.speech_like(8, 1.2)
+    if form == "mp3":
+        buffer = io.BytesIO()
+        soundfile.write(buffer, clip, tiny_mm.SAMPLE_RATE, format="MP3")
+        data = buffer.getvalue()
+        part = _raw_part(data, "mp3")
+    else:
+        data = tiny_mm.wav_bytes(clip)
+        part = {"type": "audio_url", "audio_url": {
+            "url": "data:audio/wav;base64," + base64.b64encode(data).decode()}}
+    samples, rate = soundfile.read(io.BytesIO(data), dtype="float32")
+    assert rate == tiny_mm.SAMPLE_RATE
+    r = server.post("/v1/chat/completions", audio_body(model, part))
+    prompt_ids, tokens = hf_audio_reference(hf, processor, samples)
+    assert r["prompt_token_ids"] == prompt_ids
+    assert r["choices"][0]["token_ids"] == tokens
