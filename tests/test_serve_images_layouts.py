@@ -1,9 +1,12 @@
-"""Images through `vllm serve --load-format gemma_qat` on the other forms a
-user serves: the regular layout (unused shared-layer K/V shipped) under
-tensor parallelism (the vision tower's heads split over 2 devices), and the
-w4a16 int4 export. Answers equal transformers on the same processor."""
+"""Images and audio through `vllm serve --load-format gemma_qat` on the
+other forms a user serves: the regular layout (unused shared-layer K/V
+shipped) under tensor parallelism (the vision tower's heads split over 2
+devices, the audio tower whole on each), and the w4a16 int4 export (its
+audio tower stored as bf16, as the real export's). Answers equal
+transformers on the same processor."""
 import pytest
 
+from test_serve_audio import audio_body, hf_audio_reference
 from test_serve_images import (IMAGE_ARGS, STEP_TOKENS, hf_reference,
                                image_chat)
 from vllm_gemma_qat.cpu.server import CpuServer
@@ -19,7 +22,8 @@ def served(request, tmp_path_factory):
     from transformers import AutoProcessor
     layout, form, tp = request.param
     root = tmp_path_factory.mktemp(f"images-{layout}-{form}-tp{tp}")
-    hf = tiny_mm.save_servable_mm(root / "model", form=form, layout=layout)
+    hf = tiny_mm.save_servable_mm(root / "model", form=form, layout=layout,
+                                  audio=True)
     processor = AutoProcessor.from_pretrained(root / "model")
     with CpuServer(root / "model", *IMAGE_ARGS, "--tensor-parallel-size",
                    str(tp), log=root / "server.log", devices=tp,
@@ -34,3 +38,13 @@ def test_image_answers_equal_transformers(served):
         prompt_ids, tokens = hf_reference(hf, processor, seed)
         assert r["prompt_token_ids"] == prompt_ids
         assert r["choices"][0]["token_ids"] == tokens
+
+
+def test_audio_answers_equal_transformers(served):
+    server, hf, processor, model = served
+    clip = tiny_mm.speech_like(1, 2.0)
+    r = server.post("/v1/chat/completions",
+                    audio_body(model, tiny_mm.input_audio_part(clip)))
+    prompt_ids, tokens = hf_audio_reference(hf, processor, clip)
+    assert r["prompt_token_ids"] == prompt_ids
+    assert r["choices"][0]["token_ids"] == tokens
