@@ -117,6 +117,12 @@ CASES = [
          "[w4a16]",
          r"(?m)^>\s+assert scale_dtypes == \{\"float32\"\}",
          in_process=True),
+    # tpu-inference drops the audio tower and returns no embedding for the
+    # clip the processor made: the engine stops on the missing encoder
+    # output, the request is a 500.
+    Case("audio",
+         "test_serve_audio.py::test_audio_answer_equals_transformers",
+         r"HTTP Error 500: Internal Server Error"),
 ]
 
 
