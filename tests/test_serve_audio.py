@@ -7,13 +7,13 @@ engine keeps serving."""
 import base64
 import concurrent.futures
 import json
-import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
 
 from harness import complete, hf_greedy
+from test_serve_images import _status
 from vllm_gemma_qat.cpu.server import CpuServer
 from vllm_gemma_qat.testing import tiny_mm
 
@@ -87,15 +87,23 @@ def test_tower_output_equals_transformers(served):
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
-def test_audio_answer_equals_transformers(served):
+def assert_audio_answer_equals_transformers(served, clip, part=None):
+    """An audio chat with `clip` (as a WAV `input_audio` part, or `part`):
+    its prompt and greedy tokens equal transformers' on `clip`'s samples.
+    Returns the prompt's token ids."""
     server, hf, processor, model = served
-    clip = tiny_mm.speech_like(1, 2.0)
-    r = server.post("/v1/chat/completions",
-                    audio_body(model, tiny_mm.input_audio_part(clip)))
+    r = server.post("/v1/chat/completions", audio_body(
+        model, part or tiny_mm.input_audio_part(clip)))
     prompt_ids, tokens = hf_audio_reference(hf, processor, clip)
     assert r["prompt_token_ids"] == prompt_ids
-    assert prompt_ids.count(tiny_mm.MM_IDS["audio_token"]) == 50
     assert r["choices"][0]["token_ids"] == tokens
+    return prompt_ids
+
+
+def test_audio_answer_equals_transformers(served):
+    prompt_ids = assert_audio_answer_equals_transformers(
+        served, tiny_mm.speech_like(1, 2.0))
+    assert prompt_ids.count(tiny_mm.MM_IDS["audio_token"]) == 50
 
 
 def test_two_clips_give_different_answers(served):
@@ -143,14 +151,6 @@ def test_audio_image_and_text_together(served):
         assert tokens == hf_greedy(hf, prompt_ids, 8)
 
 
-def _status(server, body):
-    try:
-        server.post("/v1/chat/completions", body)
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-    return 200, {}
-
-
 def _raw_part(data: bytes, fmt="wav"):
     return {"type": "input_audio", "input_audio": {
         "data": base64.b64encode(data).decode(), "format": fmt}}
@@ -169,17 +169,13 @@ BAD_AUDIO = {
 
 @pytest.mark.parametrize("case", sorted(BAD_AUDIO))
 def test_bad_audio_is_a_400_and_the_engine_serves_on(served, case):
-    server, hf, processor, model = served
+    server, _, _, model = served
     part, expect = BAD_AUDIO[case]
     code, body = _status(server, audio_body(model, part(), n=4))
     assert code == 400, (case, code, body)
     assert expect in json.dumps(body), (case, body)
     urllib.request.urlopen(server.url + "/health", timeout=10)
-    clip = tiny_mm.speech_like(1, 2.0)
-    r = server.post("/v1/chat/completions",
-                    audio_body(model, tiny_mm.input_audio_part(clip)))
-    assert r["choices"][0]["token_ids"] == hf_audio_reference(
-        hf, processor, clip)[1]
+    assert_audio_answer_equals_transformers(served, tiny_mm.speech_like(1, 2.0))
 
 
 def test_more_clips_than_allowed_is_a_400(served):
@@ -198,14 +194,10 @@ def test_a_clip_at_another_rate_is_resampled(served):
     vllm-tpu's [audio] extra) and answered as transformers answers those
     samples."""
     import soxr
-    server, hf, processor, model = served
     clip = tiny_mm.speech_like(7, 1.5, rate=44_100)
-    r = server.post("/v1/chat/completions", audio_body(
-        model, tiny_mm.input_audio_part(clip, rate=44_100)))
-    resampled = soxr.resample(clip, 44_100, tiny_mm.SAMPLE_RATE)
-    prompt_ids, tokens = hf_audio_reference(hf, processor, resampled)
-    assert r["prompt_token_ids"] == prompt_ids
-    assert r["choices"][0]["token_ids"] == tokens
+    assert_audio_answer_equals_transformers(
+        served, soxr.resample(clip, 44_100, tiny_mm.SAMPLE_RATE),
+        tiny_mm.input_audio_part(clip, rate=44_100))
 
 
 @pytest.mark.parametrize("limit,tower", [(None, True), ({"audio": 0}, False),
@@ -233,7 +225,6 @@ def test_audio_url_and_mp3_parts(served, form):
     import io
 
     import soundfile
-    server, hf, processor, model = served
     clip = tiny_mm.speech_like(8, 1.2)
     if form == "mp3":
         buffer = io.BytesIO()
@@ -246,7 +237,4 @@ def test_audio_url_and_mp3_parts(served, form):
             "url": "data:audio/wav;base64," + base64.b64encode(data).decode()}}
     samples, rate = soundfile.read(io.BytesIO(data), dtype="float32")
     assert rate == tiny_mm.SAMPLE_RATE
-    r = server.post("/v1/chat/completions", audio_body(model, part))
-    prompt_ids, tokens = hf_audio_reference(hf, processor, samples)
-    assert r["prompt_token_ids"] == prompt_ids
-    assert r["choices"][0]["token_ids"] == tokens
+    assert_audio_answer_equals_transformers(served, samples, part)

@@ -6,7 +6,7 @@ audio tower stored as bf16, as the real export's). Answers equal
 transformers on the same processor."""
 import pytest
 
-from test_serve_audio import audio_body, hf_audio_reference
+from test_serve_audio import assert_audio_answer_equals_transformers
 from test_serve_images import (IMAGE_ARGS, STEP_TOKENS, hf_reference,
                                image_chat)
 from vllm_gemma_qat.cpu.server import CpuServer
@@ -41,10 +41,4 @@ def test_image_answers_equal_transformers(served):
 
 
 def test_audio_answers_equal_transformers(served):
-    server, hf, processor, model = served
-    clip = tiny_mm.speech_like(1, 2.0)
-    r = server.post("/v1/chat/completions",
-                    audio_body(model, tiny_mm.input_audio_part(clip)))
-    prompt_ids, tokens = hf_audio_reference(hf, processor, clip)
-    assert r["prompt_token_ids"] == prompt_ids
-    assert r["choices"][0]["token_ids"] == tokens
+    assert_audio_answer_equals_transformers(served, tiny_mm.speech_like(1, 2.0))
