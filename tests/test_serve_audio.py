@@ -161,7 +161,7 @@ BAD_AUDIO = {
     "unsupported_format": (lambda: _raw_part(b"%PDF-1.4 not audio", "pdf"),
                            "audio"),
     "too_long": (lambda: tiny_mm.input_audio_part(
-        tiny_mm.speech_like(6, 5.0)), "at most 4.0 s"),
+        tiny_mm.speech_like(6, 5.0)), "at most 4.00 s"),
     "empty": (lambda: tiny_mm.input_audio_part(
         np.zeros(0, np.float32)), "empty"),
 }

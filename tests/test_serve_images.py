@@ -187,9 +187,9 @@ def test_bad_image_input_is_a_4xx_and_the_engine_stays_up(served):
     server, hf, processor, model = served
     png = base64.b64decode(tiny_mm.png_data_uri(1).split(",", 1)[1])
     parts = {
-        "audio": [{"type": "input_audio", "input_audio": {
-            "data": base64.b64encode(b"RIFF" + bytes(64)).decode(),
-            "format": "wav"}}],
+        # A clip that decodes: refused because this checkpoint has no
+        # audio tower (test_serve_audio serves one that has).
+        "audio": [tiny_mm.input_audio_part(tiny_mm.speech_like(1, 1.0))],
         "truncated_png": [_image_part(
             "data:image/png;base64,"
             + base64.b64encode(png[:len(png) // 2]).decode())],
@@ -198,7 +198,8 @@ def test_bad_image_input_is_a_4xx_and_the_engine_stays_up(served):
                             _image_part(tiny_mm.png_data_uri(2))],
         "image_too_large": [_image_part(_png_declaring(2048, 1024))],
     }
-    expect = {"audio": "audio", "truncated_png": "image",
+    expect = {"audio": "does not have an audio tower",
+              "truncated_png": "image",
               "bad_base64": "base64", "too_many_images": "at most 1",
               "image_too_large": "exceed the maximum"}
     for case in BAD_INPUT:

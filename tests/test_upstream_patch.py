@@ -233,6 +233,19 @@ def upstream_tests_run(patched, tmp_path_factory):
     return outcomes, out.stdout
 
 
+def test_the_audio_tower_is_the_plugins_own_code():
+    """Patch 0015's models/jax/gemma4_audio.py is the plugin's
+    fixes/audio_tower.py under tpu-inference's license header: one tower,
+    not two that drift apart."""
+    patch = next(p for p in PATCHES if p.name.startswith("0015-"))
+    added = new_file(patch.read_text(),
+                     "tpu_inference/models/jax/gemma4_audio.py")
+    own = (ROOT / "vllm_gemma_qat" / "fixes" / "audio_tower.py").read_text()
+    header, _, body = added.partition("\n\n")
+    assert body == own
+    assert all(line.startswith("#") for line in header.splitlines())
+
+
 @pytest.mark.parametrize("patch_name", sorted(NEW_TEST_FILES))
 def test_new_test_files_of_later_patches_pass_against_patched_copy(
         upstream_tests_run, patch_name):

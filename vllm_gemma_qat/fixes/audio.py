@@ -7,16 +7,21 @@ embeddings only, so vLLM's Gemma 4 processor (which accepts audio whenever
 the config has an `audio_config`) hands the runner features no model reads.
 Here, for a checkpoint with an audio tower:
 
-- the model gets `audio_tower` and `embed_audio` (fixes/audio_tower.py),
+- the model gets `audio_tower` and `embed_audio` (fixes/audio_tower.py,
+  which patch 0015 adds to tpu-inference as models/jax/gemma4_audio.py),
   loaded from those tensors by name and shape;
 - `embed_multimodal` turns vLLM's `input_features_padded` /
   `input_features_mask` into one embedding per clip: the clip's frames
   padded to a bucket (FRAME_BUCKETS), the tower, the embedder, the valid
   frames; the runner's precompile (`precompile_vision_encoder`, the
   multimodal precompile hook) compiles every bucket;
-- the audio soft tokens are merged, and masked out of the per-layer
-  inputs, where the image soft tokens are: the model's two token-id
-  comparisons see the audio token as the image token;
+- the encoders' embeddings are merged at the positions the runner marks
+  (`is_multimodal`) rather than wherever a placeholder id appears (by
+  reading, not shown by a test: a text request holding the placeholder
+  token literally, prefilled in the same step as an audio or image
+  request, would shift that request's embeddings by one), and audio soft
+  tokens are masked out of the per-layer inputs as image soft tokens are
+  (that comparison sees the audio token as the image token);
 - the API server refuses (400) an empty clip and one longer than the
   processor's limit (`audio_seq_length` soft tokens of
   `audio_ms_per_token`): vLLM's Gemma 4 processor only logs a warning for
@@ -63,6 +68,10 @@ def request_substitutions() -> list[Substitution]:
 
 
 def substitutions() -> list[Substitution]:
+    from tpu_inference.models.jax import gemma4_mm
+    if hasattr(gemma4_mm.Gemma4ForConditionalGeneration,
+               "get_single_audio_embedding"):
+        return []  # tpu-inference with patch 0015: it serves audio itself
     return [
         Substitution(f"{TARGET_MODULE}:Gemma4MmModel.__init__", _with_tower,
                      "a checkpoint with an audio_config gets the audio "
@@ -76,9 +85,11 @@ def substitutions() -> list[Substitution]:
                      _precompiles_audio, "the runner's multimodal precompile "
                      "compiles the audio tower for every frame bucket",
                      wraps=True),
-        Substitution(f"{MODEL}.embed_input_ids", _audio_as_image_token,
-                     "audio embeddings merged at the audio soft tokens",
-                     wraps=True),
+        Substitution(f"{MODEL}.embed_input_ids",
+                     _merged_at_the_runners_positions,
+                     "audio and image embeddings merged at the positions the "
+                     "runner marks (is_multimodal), not wherever their token "
+                     "ids appear", wraps=True),
         Substitution(f"{MODEL}.__call__", _audio_as_image_token_in_call,
                      "audio soft tokens masked out of the per-layer inputs",
                      wraps=True),
@@ -160,36 +171,39 @@ def _embeds_audio(embed_multimodal):
 
 def audio_embedding(model, features, mask):
     """One clip's embeddings [valid tokens, text hidden]: `features`
-    [frames, mel] and `mask` [frames] (torch or numpy; vLLM hands over the
-    valid frames only)."""
-    import jax
-    import jax.numpy as jnp
+    [frames, mel] and `mask` [frames] (torch, in the served dtype as vLLM
+    converts them, or numpy; vLLM hands over the valid frames only). The
+    tower gets host arrays, as the precompile's dummy clips are, so the
+    programs it compiled are the ones found here."""
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec
-    features = np.asarray(features, dtype=np.float32)
-    mask = np.asarray(mask, dtype=bool)
+    features, mask = _host_f32(features), _host_f32(mask).astype(bool)
     frames = features.shape[0]
     padded = frame_bucket(frames)
+    dtype = np.dtype(_jax_dtype(model.vllm_config))
     features = np.pad(features, ((0, padded - frames), (0, 0)))[None]
     mask = np.pad(mask, (0, padded - frames))[None]
-    replicated = NamedSharding(model.mesh, PartitionSpec())
-    dtype = _jax_dtype(model.vllm_config)
-    embeds, valid = _embed_clip()(
-        model.model.audio_tower, model.model.embed_audio,
-        jax.device_put(jnp.asarray(features, dtype), replicated),
-        jax.device_put(jnp.asarray(mask), replicated))
+    embeds, valid = _embed_clip()(model.model.audio_tower,
+                                  model.model.embed_audio,
+                                  features.astype(dtype), mask)
     # The valid frames are a prefix: the tower's mask keeps every other
     # frame twice.
     return embeds[0, :int(np.asarray(valid).sum())]
 
 
+def _host_f32(x):
+    """A torch tensor (bf16 too, which numpy cannot take) or an array as a
+    float32 numpy array."""
+    import numpy as np
+    if hasattr(x, "detach"):
+        x = x.detach().float().cpu().numpy()
+    return np.asarray(x, dtype=np.float32)
+
+
 def frame_bucket(frames: int) -> int:
     """The smallest of FRAME_BUCKETS that holds `frames` (beyond the last,
-    which the API server's length check keeps out: a multiple of it)."""
-    for bucket in FRAME_BUCKETS:
-        if frames <= bucket:
-            return bucket
-    return -(-frames // FRAME_BUCKETS[-1]) * FRAME_BUCKETS[-1]
+    which the API server's length check keeps out: the frames as they
+    are)."""
+    return next((b for b in FRAME_BUCKETS if frames <= b), frames)
 
 
 def _precompiles_audio(precompile_vision_encoder):
@@ -229,21 +243,38 @@ def _embed_clip():
     return embed
 
 
+def _audio_token_id(model) -> int:
+    return model.vllm_config.model_config.hf_config.audio_token_id
+
+
 def _audio_token_as_image_token(model, input_ids):
     if input_ids is None or not has_audio(model):
         return input_ids
     import jax.numpy as jnp
-    audio = model.vllm_config.model_config.hf_config.audio_token_id
-    return jnp.where(input_ids == audio, model.image_token_id, input_ids)
+    return jnp.where(input_ids == _audio_token_id(model),
+                     model.image_token_id, input_ids)
 
 
-def _audio_as_image_token(embed_input_ids):
+def _merged_at_the_runners_positions(embed_input_ids):
 
     @functools.wraps(embed_input_ids)
-    def wrapped(self, input_ids, *args, **kwargs):
-        return embed_input_ids(
-            self, _audio_token_as_image_token(self, input_ids), *args,
-            **kwargs)
+    def wrapped(self, input_ids, multimodal_embeddings=None,
+                is_multimodal=None, **kwargs):
+        if not has_audio(self):
+            return embed_input_ids(self, input_ids, multimodal_embeddings,
+                                   is_multimodal=is_multimodal, **kwargs)
+        import jax.numpy as jnp
+        from tpu_inference.models.jax.utils.multi_modal_utils import \
+            _merge_multimodal_embeddings
+        embeds = embed_input_ids(self, input_ids, None, **kwargs)
+        if multimodal_embeddings is None or \
+                multimodal_embeddings.shape[0] == 0:
+            return embeds
+        if is_multimodal is None:
+            is_multimodal = jnp.isin(input_ids, jnp.array(
+                [self.image_token_id, _audio_token_id(self)]))
+        return _merge_multimodal_embeddings(
+            embeds, is_multimodal, multimodal_embeddings).astype(embeds.dtype)
 
     return wrapped
 
@@ -275,27 +306,37 @@ def _checking_clips(process_multimodal):
 def checked_clips(clips, processor) -> list:
     """The request's clips, each checked against `processor` (a
     Gemma4Processor): a ValueError (vLLM's API server answers 400) names
-    the first that is empty or longer than the model takes. Without
-    torchaudio (vLLM's default resampler, which vllm-tpu's [audio] extra
-    lacks), a clip at another rate is resampled here with soxr (vLLM's
-    `soxr` method): vLLM would fail on it with a 500."""
+    the first that is empty or longer than the model takes. A clip is
+    what vLLM's parser takes: samples (an array, samples last; a list of
+    numbers) or (samples, rate); None (a cached item) passes as it is.
+    Without torchaudio (vLLM's default resampler, which vllm-tpu's [audio]
+    extra lacks), a clip at another rate is resampled here with soxr
+    (vLLM's `soxr` method): vLLM would fail on it with a 500."""
+    import math
+
+    import numpy as np
     rate = processor.feature_extractor.sampling_rate
     limit_s = processor.audio_seq_length * processor.audio_ms_per_token / 1000
-    if not isinstance(clips, list):
+    if not isinstance(clips, list) or (
+            clips and isinstance(clips[0], (int, float))):
         clips = [clips]
     out = []
     for i, clip in enumerate(clips):
+        if clip is None:
+            out.append(clip)
+            continue
         samples, clip_rate = (clip if isinstance(clip, tuple) else
                               (clip, rate))
-        seconds = len(samples) / clip_rate
-        if len(samples) == 0:
+        samples = np.asarray(samples)
+        seconds = samples.shape[-1] / clip_rate
+        if samples.size == 0:
             raise ValueError(f"audio clip {i + 1} is empty (no samples)")
         if seconds > limit_s:
             raise ValueError(
-                f"audio clip {i + 1} lasts {seconds:.1f} s; this model "
-                f"takes at most {limit_s:.1f} s ({processor.audio_seq_length}"
+                f"audio clip {i + 1} lasts {seconds:.2f} s; this model "
+                f"takes at most {limit_s:.2f} s ({processor.audio_seq_length}"
                 f" soft tokens of {processor.audio_ms_per_token} ms)")
-        if round(clip_rate) != rate and not _has_torchaudio():
+        if not math.isclose(clip_rate, rate) and not _has_torchaudio():
             from vllm.multimodal.audio import resample_audio_soxr
             clip = (resample_audio_soxr(samples, orig_sr=clip_rate,
                                         target_sr=rate), rate)

@@ -4,8 +4,7 @@ define them: two stride-2 convolutions over the log-mel frames, conformer
 layers (half-step feed-forward, chunked local self-attention with
 relative positions and a logit cap, a causal depthwise convolution, a
 second feed-forward), the output projection, then the embedder's norm and
-projection into the text model's width. tpu-inference 0.32 has none of it
-(patch 0015 adds this file to its models/jax/).
+projection into the text model's width.
 
 Every parameter keeps its checkpoint name and layout (`model.audio_tower.*`,
 `model.embed_audio.*`; linears as [out, in], convolutions as OIHW / OIW),
@@ -31,11 +30,12 @@ CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _param(shape, dtype) -> nnx.Param:
+def _param(shape, dtype, fill: float = 0.0) -> nnx.Param:
     # A weight_loader of its own: tpu-inference's JaxAutoWeightsLoader
     # would otherwise give names like `relative_k_proj.weight` its
     # attention-head reshapes.
-    return nnx.Param(jnp.zeros(shape, dtype), weight_loader=load_as_stored)
+    return nnx.Param(jnp.full(shape, fill, dtype),
+                     weight_loader=load_as_stored)
 
 
 def load_as_stored(param: nnx.Param, tensor, name: str = "") -> None:
@@ -80,9 +80,10 @@ class ClippableLinear(JaxModule):
                  clipped: bool):
         self.linear = Linear(in_features, out_features, dtype)
         self.clipped = clipped
-        if clipped:
+        if clipped:  # unbounded until loaded, as transformers starts them
             for bound in CLIP_BOUNDS:
-                setattr(self, bound, _param((), jnp.float32))
+                setattr(self, bound, _param(
+                    (), jnp.float32, -jnp.inf if "min" in bound else jnp.inf))
 
     def __call__(self, x):
         if self.clipped:
@@ -182,9 +183,11 @@ def _clamp(x, limit):
 
 
 class Attention(JaxModule):
-    """Chunked local attention: each chunk of `chunk` queries sees
-    `left - 1` frames back and `right` ahead, with Transformer-XL relative
-    positions (sinusoids projected by relative_k_proj) and a tanh cap."""
+    """Chunked local attention: a query sees itself, the `left - 2` frames
+    before it and the `right - 1` after it (transformers' window on
+    `attention_context_left - 1` / `attention_context_right`), with
+    Transformer-XL relative positions (sinusoids projected by
+    relative_k_proj) and a tanh cap; keys are gathered chunk by chunk."""
 
     def __init__(self, config, dtype):
         d, heads = config.hidden_size, config.num_attention_heads
@@ -235,8 +238,9 @@ class Attention(JaxModule):
         q = self.q_proj(x).astype(jnp.float32).reshape(shape)
         k = self.k_proj(x).astype(jnp.float32).reshape(shape)
         v = self.v_proj(x).astype(jnp.float32).reshape(shape)
+        # softplus in the parameter's dtype, as transformers computes it
         q = q * self.q_scale * jax.nn.softplus(
-            self.per_dim_scale.value.astype(jnp.float32))
+            self.per_dim_scale.value).astype(jnp.float32)
         k = k * self.k_scale
         q, k, v = self._blocks(q), self._contexts(k), self._contexts(v)
         n = q.shape[1]
@@ -326,6 +330,9 @@ class ConformerLayer(JaxModule):
 class Gemma4AudioModel(JaxModule):
 
     def __init__(self, config, dtype):
+        if config.hidden_act != "silu":
+            raise ValueError(f"audio_config.hidden_act: {config.hidden_act!r}"
+                             "; Gemma 4's audio tower is built with silu")
         self.config = config
         self.subsample_conv_projection = SubSampleConvProjection(config, dtype)
         self.layers = JaxModuleList([
@@ -375,8 +382,9 @@ def load_audio_weights(modules: dict[str, JaxModule],
                        weights: Iterable[tuple[str, object]]) -> set[str]:
     """Put each (checkpoint name, torch tensor) into the parameter of that
     name under `modules` ({"model.audio_tower": tower, "model.embed_audio":
-    embedder}), as stored. Raises on a name no parameter has and on a shape
-    that differs, naming the tensor. Returns the names loaded."""
+    embedder}), as stored. Raises on a name no parameter has, on a shape
+    that differs and on parameters no tensor was given for, naming them.
+    Returns the names loaded."""
     params = {f"{prefix}.{name}": param
               for prefix, module in modules.items()
               for name, param in module.named_parameters()}
@@ -387,6 +395,10 @@ def load_audio_weights(modules: dict[str, JaxModule],
                              "or embedder has this name")
         load_as_stored(params[name], tensor, name)
         loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"the checkpoint has no tensor for {len(missing)} "
+                         f"audio parameters: {', '.join(missing[:8])}")
     return loaded
 
 
