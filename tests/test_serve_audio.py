@@ -164,6 +164,8 @@ BAD_AUDIO = {
         tiny_mm.speech_like(6, 5.0)), "at most 4.00 s"),
     "empty": (lambda: tiny_mm.input_audio_part(
         np.zeros(0, np.float32)), "empty"),
+    "too_short": (lambda: tiny_mm.input_audio_part(
+        tiny_mm.speech_like(6, 0.005)), "too short (5.0 ms)"),
 }
 
 
@@ -238,3 +240,17 @@ def test_audio_url_and_mp3_parts(served, form):
     samples, rate = soundfile.read(io.BytesIO(data), dtype="float32")
     assert rate == tiny_mm.SAMPLE_RATE
     assert_audio_answer_equals_transformers(served, samples, part)
+
+
+def test_bf16_features_reach_the_tower_as_float32():
+    """A bf16 server gets its features from vLLM in bf16 (numpy has no
+    bf16: `np.asarray` on such a tensor raises, which stopped the engine
+    on the first clip). By hand on 2026-12-07, the tiny checkpoint served
+    with --dtype bfloat16 answered a 2 s clip (50 audio tokens)."""
+    import torch
+
+    from vllm_gemma_qat.fixes.audio import _host_f32
+    features = torch.linspace(-2, 2, 12, dtype=torch.bfloat16).reshape(3, 4)
+    host = _host_f32(features)
+    assert host.dtype == np.float32
+    assert (host == features.float().numpy()).all()

@@ -296,17 +296,19 @@ def _checking_clips(process_multimodal):
     def wrapped(self, prompt, mm_data, *args, **kwargs):
         clips = (mm_data or {}).get("audio")
         if clips is not None and is_gemma_qat(self.config):
-            processor = self.get_mm_processor().info.get_hf_processor()
-            mm_data = {**mm_data, "audio": checked_clips(clips, processor)}
+            mm_data = {**mm_data, "audio": checked_clips(
+                clips, self.get_mm_processor().info)}
         return process_multimodal(self, prompt, mm_data, *args, **kwargs)
 
     return wrapped
 
 
-def checked_clips(clips, processor) -> list:
-    """The request's clips, each checked against `processor` (a
-    Gemma4Processor): a ValueError (vLLM's API server answers 400) names
-    the first that is empty or longer than the model takes. A clip is
+def checked_clips(clips, info) -> list:
+    """The request's clips, each checked against the model's processing
+    (`info`: vLLM's Gemma4ProcessingInfo): a ValueError (vLLM's API server
+    answers 400) names the first that is empty, too short for one soft
+    token (vLLM would give it none, and drop it) or longer than the model
+    takes. A clip is
     what vLLM's parser takes: samples (an array, samples last; a list of
     numbers) or (samples, rate); None (a cached item) passes as it is.
     Without torchaudio (vLLM's default resampler, which vllm-tpu's [audio]
@@ -315,6 +317,7 @@ def checked_clips(clips, processor) -> list:
     import math
 
     import numpy as np
+    processor = info.get_hf_processor()
     rate = processor.feature_extractor.sampling_rate
     limit_s = processor.audio_seq_length * processor.audio_ms_per_token / 1000
     if not isinstance(clips, list) or (
@@ -331,6 +334,11 @@ def checked_clips(clips, processor) -> list:
         seconds = samples.shape[-1] / clip_rate
         if samples.size == 0:
             raise ValueError(f"audio clip {i + 1} is empty (no samples)")
+        if info._compute_audio_num_tokens(
+                round(seconds * rate), rate, processor.audio_seq_length) < 1:
+            raise ValueError(
+                f"audio clip {i + 1} is too short ({seconds * 1000:.1f} ms): "
+                "it makes no audio soft token")
         if seconds > limit_s:
             raise ValueError(
                 f"audio clip {i + 1} lasts {seconds:.2f} s; this model "
