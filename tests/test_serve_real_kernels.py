@@ -2,8 +2,9 @@
 kernels: VLLM_GEMMA_QAT_CPU_KERNELS=interpret runs tpu-inference's ragged
 paged attention v3 in Pallas TPU interpret mode for every layer of every
 step (the tiny E2B-like bf16 QAT checkpoint: 10 layers, 5 of them
-KV-shared). Greedy tokens equal transformers, a rerun hits the prefix
-cache, the shared layers' calls leave the cache to their source layers.
+KV-shared, with an audio tower). Greedy tokens equal transformers, for
+text and for an audio chat; a rerun hits the prefix cache, the shared
+layers' calls leave the cache to their source layers.
 
 An fp32 server with an fp8_e5m2 cache: prompt logprobs within the derived
 bound of transformers with K/V rounded as tpu-inference stores them.
@@ -56,13 +57,15 @@ def check_serving(server, hf, model, n=8):
     return seconds
 
 
-def serve_and_check(tmp_path, hf, label: str) -> str:
-    """Serve tmp_path/model with the real kernels, `check_serving` it, print
-    the timings; the server's log."""
+def serve_and_check(tmp_path, hf, label: str, also=None) -> str:
+    """Serve tmp_path/model with the real kernels, `check_serving` it (and
+    `also(server)`), print the timings; the server's log."""
     start = time.monotonic()
     with serve(tmp_path, tmp_path / "model") as server:
         up = time.monotonic() - start
         seconds = check_serving(server, hf, tmp_path / "model")
+        if also:
+            also(server)
         log = server.log.read_text()
     print(f"{label}: up in {up:.0f} s, requests "
           f"{', '.join(f'{s:.1f}' for s in seconds)} s")
@@ -70,8 +73,22 @@ def serve_and_check(tmp_path, hf, label: str) -> str:
 
 
 def test_bf16_qat_serves_with_the_real_attention_kernel(tmp_path):
-    hf = tiny.save_servable(tmp_path / "model")
-    log = serve_and_check(tmp_path, hf, "bf16 QAT, real RPA")
+    # With an audio tower and its processor: an audio chat's steps (the
+    # tower's embeddings merged, then the real kernel) answer as
+    # transformers does too. The tower itself is XLA only (no Pallas).
+    from test_serve_audio import assert_audio_answer_equals_transformers
+    from transformers import AutoProcessor
+
+    from vllm_gemma_qat.testing import tiny_mm
+    hf = tiny_mm.save_servable_mm(tmp_path / "model", audio=True)
+    processor = AutoProcessor.from_pretrained(tmp_path / "model")
+
+    def audio_chat(server):
+        assert_audio_answer_equals_transformers(
+            (server, hf, processor, tmp_path / "model"),
+            tiny_mm.speech_like(1, 2.0))
+
+    log = serve_and_check(tmp_path, hf, "bf16 QAT, real RPA", audio_chat)
     assert "VLLM_GEMMA_QAT_CPU_KERNELS=interpret" in log
     assert "run here by the Pallas TPU interpreter" in log
     compiles = interpreted_compiles(log)
