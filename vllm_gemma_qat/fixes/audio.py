@@ -22,13 +22,14 @@ Here, for a checkpoint with an audio tower:
   request, would shift that request's embeddings by one), and audio soft
   tokens are masked out of the per-layer inputs as image soft tokens are
   (that comparison sees the audio token as the image token);
-- the API server refuses (400) an empty clip and one longer than the
-  processor's limit (`audio_seq_length` soft tokens of
-  `audio_ms_per_token`): vLLM's Gemma 4 processor only logs a warning for
-  the latter and gives it fewer placeholders than the tower makes tokens;
-  and, where torchaudio is missing, resamples a clip not at 16 kHz with
-  soxr (vLLM's default resampler is torchaudio, which vllm-tpu's [audio]
-  extra does not install: a 500).
+- the API server refuses (400) an empty clip, one too short for a soft
+  token (vLLM gives it none and serves the request without it) and one
+  longer than the processor's limit (`audio_seq_length` soft tokens of
+  `audio_ms_per_token`: vLLM's Gemma 4 processor only logs a warning and
+  gives it fewer placeholders than the tower makes tokens); and, where
+  torchaudio is missing, resamples a clip not at 16 kHz with soxr (vLLM's
+  default resampler is torchaudio, which vllm-tpu's [audio] extra does not
+  install: a 500).
 """
 from __future__ import annotations
 
@@ -62,9 +63,10 @@ def install() -> None:
 def request_substitutions() -> list[Substitution]:
     return [Substitution(
         f"{RENDERER_MODULE}:BaseRenderer._process_multimodal",
-        _checking_clips, "an empty audio clip, or one longer than the "
-        "model takes, is a 400; without torchaudio, a clip at another rate "
-        "is resampled with soxr (not a 500)", wraps=True)]
+        _checking_clips, "an empty audio clip, one too short for a soft "
+        "token or one longer than the model takes is a 400; without "
+        "torchaudio, a clip at another rate is resampled with soxr (not a "
+        "500)", wraps=True)]
 
 
 def substitutions() -> list[Substitution]:
@@ -308,9 +310,9 @@ def checked_clips(clips, info) -> list:
     (`info`: vLLM's Gemma4ProcessingInfo): a ValueError (vLLM's API server
     answers 400) names the first that is empty, too short for one soft
     token (vLLM would give it none, and drop it) or longer than the model
-    takes. A clip is
-    what vLLM's parser takes: samples (an array, samples last; a list of
-    numbers) or (samples, rate); None (a cached item) passes as it is.
+    takes. A clip is what vLLM's parser takes: samples (an array, samples
+    last; a list of numbers) or (samples, rate); None (a cached item)
+    passes as it is.
     Without torchaudio (vLLM's default resampler, which vllm-tpu's [audio]
     extra lacks), a clip at another rate is resampled here with soxr
     (vLLM's `soxr` method): vLLM would fail on it with a 500."""
