@@ -51,9 +51,10 @@ def hf_audio_reference(hf, processor, clip, n=8):
 
 
 def test_tower_output_equals_transformers(served):
-    """The JAX tower and embedder as the server builds them, on one clip's
-    features from Gemma 4's feature extractor: equal to transformers'
-    get_audio_features (fp32)."""
+    """The JAX tower and embedder (the classes the fix builds), loaded by
+    name from the model's tensors, on one clip's features from Gemma 4's
+    feature extractor: equal to transformers' get_audio_features (fp32).
+    The served answers below check them inside the server."""
     import jax.numpy as jnp
     import torch
 
