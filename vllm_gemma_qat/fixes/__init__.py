@@ -18,7 +18,7 @@ Each acts only under `--load-format gemma_qat` (`vllm_gemma_qat.gate`).
 | `rejection_padding` | 0012 | speculative decoding: padded draft positions no longer count as the last request's, which lost its bonus token |
 | `int4_tiling` | 0013 | int4 linears: gmm_v2 tiles with one M bucket, N tiles bounded (a weight tile of at most 128 MXU blocks; prefill-sized steps also max(4 M, 2 widths) columns): less TPU code, the int4 512-token step fits a v5e-1 |
 | `int4_scales` | 0014 | int4 linears: gmm_v2's scales held in f32 from load, not converted from bf16 by every call of every step |
-| `audio` | 0015 | audio input: the conformer audio tower and its embedder (`audio_tower.py`), loaded from the checkpoint, their embeddings merged at the audio soft tokens; an empty or over-long clip is a 400 |
+| `audio` | 0015 | audio input: the conformer audio tower and its embedder (`audio_tower.py`), loaded from the checkpoint, their embeddings merged at the audio soft tokens; an empty, too short or over-long clip is a 400, a clip at another rate is resampled without torchaudio |
 
 `register` installs those in `ALL` (substitutions made when their
 tpu-inference module is imported); `weight_dtype` is applied by the loader's

@@ -228,9 +228,10 @@ def _precompiles_audio(precompile_vision_encoder):
 
 
 def _jax_dtype(vllm_config):
-    from tpu_inference.utils import get_jax_dtype_from_str_dtype
-    return get_jax_dtype_from_str_dtype(
-        str(vllm_config.model_config.dtype).split(".")[-1])
+    """vLLM's --dtype (a torch dtype, or a JAX one once tpu-inference has
+    set it) as JAX's."""
+    from tpu_inference.utils import to_jax_dtype
+    return to_jax_dtype(vllm_config.model_config.dtype)
 
 
 @functools.cache

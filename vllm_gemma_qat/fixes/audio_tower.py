@@ -43,12 +43,13 @@ def load_as_stored(param: nnx.Param, tensor, name: str = "") -> None:
     parameter's dtype; a shape that differs is an error naming it."""
     from tpu_inference.models.jax.utils.weight_utils import \
         load_nnx_param_from_reshaped_torch
+    from tpu_inference.utils import to_torch_dtype
     shape = tuple(param.get_value().shape)
     if tuple(tensor.shape) != shape:
         raise ValueError(f"{name}: shape {tuple(tensor.shape)} in the "
                          f"checkpoint, the audio tower's config gives {shape}")
     load_nnx_param_from_reshaped_torch(
-        param, tensor.to(_torch_dtype(param.get_value().dtype)),
+        param, tensor.to(to_torch_dtype(param.get_value().dtype)),
         permute_dims=(0, 1) if tensor.ndim == 2 else None, param_name=name)
 
 
@@ -400,9 +401,3 @@ def load_audio_weights(modules: dict[str, JaxModule],
         raise ValueError(f"the checkpoint has no tensor for {len(missing)} "
                          f"audio parameters: {', '.join(missing[:8])}")
     return loaded
-
-
-def _torch_dtype(dtype):
-    import torch
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}[jnp.dtype(dtype).name]

@@ -98,10 +98,10 @@ def _pixels_by_value(parse):
                 self.vllm_config):
             from tpu_inference.models.jax.utils.multi_modal_utils import \
                 convert_torch_tensor_to_jax
-            from tpu_inference.utils import get_jax_dtype_from_str_dtype
-            dtype = str(self.vllm_config.model_config.dtype).split(".")[-1]
-            kwargs["pixel_values"] = convert_torch_tensor_to_jax(
-                pixel_values, get_jax_dtype_from_str_dtype(dtype))
+            from tpu_inference.utils import to_jax_dtype
+            dtype = to_jax_dtype(self.vllm_config.model_config.dtype)
+            kwargs["pixel_values"] = convert_torch_tensor_to_jax(pixel_values,
+                                                                 dtype)
         return parse(self, **kwargs)
 
     return wrapped
