@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 ARCHITECTURE = "Gemma4AssistantForCausalLM"
 
@@ -157,23 +158,65 @@ def _left_padded(kv: dict, ends: list[int], width: int,
     return batch, mask
 
 
+class DraftInputs(NamedTuple):
+    """What the drafter's first step reads for a batch of states, row by
+    row: query positions [B, 1], bonus tokens [B, 1], the target's hidden
+    states at those positions [B, 1, H], the target's K/V per attention
+    type (`_left_padded`) and the [B, width] attention mask."""
+    positions: object
+    tokens: object
+    hidden: object
+    shared: dict
+    mask: object
+
+    @classmethod
+    def of(cls, assistant, states: list[tuple[int, int]], hidden, kv,
+           width: int) -> "DraftInputs":
+        """For states (position p, bonus token b) of one sequence, whose
+        target hidden states and K/V are `hidden` and `kv`."""
+        import torch
+        positions = torch.tensor([[p] for p, _ in states])
+        shared, mask = _left_padded(
+            kv, [p for p, _ in states], width,
+            assistant.config.get_text_config().sliding_window)
+        return cls(positions, torch.tensor([[b] for _, b in states]),
+                   hidden[positions[:, 0]][:, None], shared, mask)
+
+    @classmethod
+    def cat(cls, batches: list["DraftInputs"]) -> "DraftInputs":
+        """One batch of the rows of `batches` (of one `width`)."""
+        import torch
+        shared = {kind: tuple(torch.cat([b.shared[kind][i] for b in batches])
+                              for i in range(2))
+                  for kind in batches[0].shared}
+        return cls(*(torch.cat([getattr(b, f) for b in batches])
+                     for f in ("positions", "tokens", "hidden")),
+                   shared, torch.cat([b.mask for b in batches]))
+
+
 def draft_steps(assistant, target, states: list[tuple[int, int]], hidden,
                 kv, tokens_in, k: int, width: int, parts: bool = False):
     """The drafter's k steps for a batch of states (position p, bonus token
     b), as tpu-inference runs them: step 1 reads [embedding of b, target
     hidden at p], steps > 1 [embedding of the previous step's token (from
-    `tokens_in(step, row, logits)`), the previous step's post_projection
+    `tokens_in(step, logits)`), the previous step's post_projection
     output]; every step at position p over the target's K/V 0..p. Returns
     the k logits [B, V] (masked to the top centroids' tokens under
     `use_ordered_embeddings`); `parts`: per step (those logits, the lm_head's
     logits over the whole vocabulary, the centroid logits or None)."""
-    import torch
+    return run_drafts(assistant, target,
+                      DraftInputs.of(assistant, states, hidden, kv, width),
+                      tokens_in, k, parts)
+
+
+def run_drafts(assistant, target, inputs: DraftInputs, tokens_in, k: int,
+               parts: bool = False):
+    """`draft_steps` on prepared inputs."""
     normed = []  # the text model's final norm: what lm_head and centroids read
     hook = assistant.model.norm.register_forward_hook(
         lambda module, args, output: normed.append(output[:, 0]))
     try:
-        out = _draft_steps(assistant, target, states, hidden, kv, tokens_in,
-                           k, width)
+        out = _draft_steps(assistant, target, inputs, tokens_in, k)
     finally:
         hook.remove()
     if not parts:
@@ -184,20 +227,16 @@ def draft_steps(assistant, target, states: list[tuple[int, int]], hidden,
             for lg, n in zip(out, normed)]
 
 
-def _draft_steps(assistant, target, states, hidden, kv, tokens_in, k, width):
+def _draft_steps(assistant, target, inputs: DraftInputs, tokens_in, k):
     import torch
-    positions = torch.tensor([[p] for p, _ in states])
-    shared, mask = _left_padded(
-        kv, [p for p, _ in states], width,
-        assistant.config.get_text_config().sliding_window)
     embed = target.model.embed_tokens
-    token = torch.tensor([[b] for _, b in states])
-    h = hidden[positions[:, 0]][:, None]  # [B, 1, H]
+    token, h = inputs.tokens, inputs.hidden  # [B, 1], [B, 1, H]
     out = []
     for step in range(k):
         x = torch.cat([embed(token).to(h.dtype), h], -1)
-        r = assistant(inputs_embeds=x, position_ids=positions,
-                      attention_mask=mask, shared_kv_states=shared)
+        r = assistant(inputs_embeds=x, position_ids=inputs.positions,
+                      attention_mask=inputs.mask,
+                      shared_kv_states=inputs.shared)
         logits = r.logits[:, 0]
         out.append(logits)
         h = r.last_hidden_state
@@ -276,6 +315,44 @@ def draft_labels(seq: list[int], prompt_len: int, target_logits, index: int,
     return out
 
 
+GROUPED_EAGER = "grouped_eager"
+
+
+def _grouped_eager_attention(module, query, key, value, attention_mask,
+                             dropout=0.0, scaling=None, softcap=None,
+                             **kwargs):
+    """transformers' Gemma 4 eager attention (`eager_attention_forward`:
+    the same products, the mask added, softmax in float32), with each KV
+    head's query heads grouped over it instead of the K/V repeated per query
+    head. `train` runs every state of its sequences in one batch, each with
+    its own copy of the target's K/V: repeat_kv's and the transpose's copies
+    of those were most of a training step."""
+    import torch
+    b, heads, q_len, dim = query.shape
+    kv_heads, width = key.shape[1], key.shape[2]
+    query = query.reshape(b, kv_heads, heads // kv_heads * q_len, dim)
+    scores = (key @ query.transpose(2, 3)).transpose(2, 3) * (
+        module.head_dim**-0.5 if scaling is None else scaling)
+    scores = scores.reshape(b, heads, q_len, width)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = torch.nn.functional.softmax(scores, dim=-1,
+                                          dtype=torch.float32).to(query.dtype)
+    out = weights.reshape(b, kv_heads, heads // kv_heads * q_len, width) @ value
+    return out.reshape(b, heads, q_len, dim).transpose(1, 2).contiguous(), \
+        weights
+
+
+def _register_grouped_eager() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    AttentionInterface.register(GROUPED_EAGER, _grouped_eager_attention)
+    AttentionMaskInterface.register(GROUPED_EAGER, eager_mask)
+    return GROUPED_EAGER
+
+
 def _e4m3(x):
     import torch
     info = torch.finfo(torch.float8_e4m3fn)
@@ -284,7 +361,7 @@ def _e4m3(x):
 
 
 def train(target, sequences: list[tuple[list[int], list[int]]], seed: int = 0,
-          margin: float = 3.0, max_steps: int = 1500, lr: float = 3e-3,
+          margin: float = 3.0, max_steps: int = 1500, lr: float = 3e-2,
           log=None, **config):
     """An assistant for `target` (a transformers Gemma4ForCausalLM whose
     greedy answers to `sequences`' prompts are their answers), trained in
@@ -302,6 +379,7 @@ def train(target, sequences: list[tuple[list[int], list[int]]], seed: int = 0,
     target_bf16 = copy.deepcopy(target).to(torch.bfloat16).eval()
     text = target64.config.get_text_config().to_dict()
     model = build(text, seed, **config).to(torch.float64)
+    model.set_attn_implementation(_register_grouped_eager())
     per_seq, batches = [], []
     width = max(len(p) + len(a) for p, a in sequences)
     for index, (prompt, answer) in enumerate(sequences):
@@ -321,6 +399,16 @@ def train(target, sequences: list[tuple[list[int], list[int]]], seed: int = 0,
         batches.append((rough_hidden.to(torch.float64),
                         {t: tuple(_e4m3(x) for x in v)
                          for t, v in rough_kv.items()}, labels))
+    # Every batch's states in one batch; each row weighted 1 / its batch's
+    # size, so the loss is the sum of the batches' mean losses.
+    inputs = DraftInputs.cat([
+        DraftInputs.of(model, [(p, b) for p, b, _ in labels], hidden, kv,
+                       width) for hidden, kv, labels in batches])
+    want = torch.tensor([lab for _, _, labels in batches
+                         for _, _, lab in labels])  # [B, steps]
+    weight = torch.cat([torch.full((len(labels),), 1 / len(labels),
+                                   dtype=torch.float64)
+                        for _, _, labels in batches])
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 
     cluster = None
@@ -337,29 +425,26 @@ def train(target, sequences: list[tuple[list[int], list[int]]], seed: int = 0,
         right = logits.gather(1, want[:, None])[:, 0]
         others = logits.scatter(1, want[:, None], float("-inf"))
         gap = right - others.topk(rank, 1).values[:, -1]
-        loss = torch.nn.functional.cross_entropy(logits, want) + torch.relu(
-            margin + 1 - gap).mean()
-        return gap.min().detach(), loss
+        loss = torch.nn.functional.cross_entropy(
+            logits, want, reduction="none") + torch.relu(margin + 1 - gap)
+        return gap.min().detach(), (weight * loss).sum()
 
     def margins(m, grad: bool):
         worst, total = [], 0.0
-        for hidden, kv, labels in batches:
-            want = torch.tensor([lab for _, _, lab in labels])  # [B, steps]
-            with torch.set_grad_enabled(grad):
-                steps = draft_steps(
-                    m, target64, [(p, b) for p, b, _ in labels], hidden, kv,
-                    lambda s, lg: want[:, s], DRAFT_STEPS, width, parts=True)
-                for s, (_, full, centroids) in enumerate(steps):
-                    # The token wins over the whole vocabulary, and (centroid
-                    # masking) its centroid is among the top_k chosen.
-                    gap, loss = hinge(full, want[:, s])
+        with torch.set_grad_enabled(grad):
+            steps = run_drafts(m, target64, inputs,
+                               lambda s, lg: want[:, s], DRAFT_STEPS,
+                               parts=True)
+            for s, (_, full, centroids) in enumerate(steps):
+                # The token wins over the whole vocabulary, and (centroid
+                # masking) its centroid is among the top_k chosen.
+                gap, loss = hinge(full, want[:, s])
+                worst.append(gap)
+                total = total + loss
+                if centroids is not None:
+                    gap, loss = hinge(centroids, cluster[want[:, s]], top_k)
                     worst.append(gap)
                     total = total + loss
-                    if centroids is not None:
-                        gap, loss = hinge(centroids, cluster[want[:, s]],
-                                          top_k)
-                        worst.append(gap)
-                        total = total + loss
         return min(worst).item(), total
 
     steps = 0
