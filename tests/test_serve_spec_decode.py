@@ -6,9 +6,9 @@ The target is testing/agent.py's tiny Gemma 4, the assistant one trained
 here (testing/assistant.py, float64, ~10 s each alone) so that its drafts
 on every state the target's answers pass through win by >= 3 logits, and
 agree with the target by design on some drafts only: full acceptance,
-partial acceptance and rejection all occur. Checked per server: the greedy tokens
-of 8 concurrent requests equal transformers' on the target, token for
-token, and so do their verify steps (drafts proposed, accepted:
+partial acceptance and rejection all occur. Checked per server: the
+greedy tokens of 8 concurrent requests equal transformers' on the target,
+token for token, and so do their verify steps (drafts proposed, accepted:
 `--per-request-spec-decode-metrics detailed`), except a request the
 scheduler preempted (logged by id); sent one at a time, each request's
 verify steps and vLLM's
