@@ -12,18 +12,6 @@ CPU_ENV = {"JAX_PLATFORMS": "cpu", "TPU_NAME": "cpu-ci",
            "HF_HUB_OFFLINE": "1"}
 
 
-# glibc's malloc, set for the processes ./run starts (read once, as each
-# starts). By default a free block past a dynamic threshold (128 KiB up to
-# 32 MiB) goes back to the OS and the next allocation faults in zeroed
-# pages again: torch's and XLA's short-lived tensors of a few MB made a
-# test run's system time (211 s of 2,040 CPU-seconds, 53 M page faults).
-# Blocks below 32 MiB now come from the heap, and up to 512 MiB of free
-# heap stays mapped. What is computed is unchanged (harness.py's fp8
-# allowance: equal to the last bit, 115 -> 79 CPU-seconds).
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-              "MALLOC_TRIM_THRESHOLD_": str(512 << 20)}
-
-
 def set_defaults(environ) -> None:
     for key, value in CPU_ENV.items():
         environ.setdefault(key, value)
@@ -73,5 +61,5 @@ def machine_compile_cache(parent) -> Path:
 
 
 if __name__ == "__main__":
-    for key, value in {**CPU_ENV, **MALLOC_ENV}.items():
+    for key, value in CPU_ENV.items():
         print(f'export {key}="${{{key}:-{value}}}"')
