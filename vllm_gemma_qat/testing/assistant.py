@@ -322,11 +322,11 @@ def _grouped_eager_attention(module, query, key, value, attention_mask,
                              dropout=0.0, scaling=None, softcap=None,
                              **kwargs):
     """transformers' Gemma 4 eager attention (`eager_attention_forward`:
-    the same products, the mask added, softmax in float32), with each KV
-    head's query heads grouped over it instead of the K/V repeated per query
-    head. `train` runs every state of its sequences in one batch, each with
-    its own copy of the target's K/V: repeat_kv's and the transpose's copies
-    of those were most of a training step."""
+    the same products, the cap, the mask added, softmax in float32, its
+    dropout), with each KV head's query heads grouped over it instead of the
+    K/V repeated per query head. `train` runs every state of its sequences
+    in one batch, each with its own copy of the target's K/V: repeat_kv's
+    and the transpose's copies of those were most of a training step."""
     import torch
     b, heads, q_len, dim = query.shape
     kv_heads, width = key.shape[1], key.shape[2]
@@ -340,6 +340,8 @@ def _grouped_eager_attention(module, query, key, value, attention_mask,
         scores = scores + attention_mask
     weights = torch.nn.functional.softmax(scores, dim=-1,
                                           dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout,
+                                          training=module.training)
     out = weights.reshape(b, kv_heads, heads // kv_heads * q_len, width) @ value
     return out.reshape(b, heads, q_len, dim).transpose(1, 2).contiguous(), \
         weights
