@@ -2,6 +2,8 @@
 Building and running tpu-inference's model: vllm_gemma_qat.testing.runner."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 
@@ -25,22 +27,47 @@ def hf_token_logprobs(hf_model, token_ids, kv_dtype: str | None = None,
                            shared_layers_exact)[0]
 
 
-def _batch_logprobs(hf_model, batch, kv_dtype=None, shared_layers_exact=False):
-    """`hf_token_logprobs` of equally long sequences, in one forward."""
+def _batch_logprobs(hf_model, batch, kv_dtype=None, shared_layers_exact=False,
+                    past=None):
+    """`hf_token_logprobs` of equally long sequences, in one forward. With
+    `past` (a cache of the tokens before them, `_prefix_cache`): the
+    logprobs of their tokens after the first."""
     import torch
+    ids = torch.tensor([list(t) for t in batch])
+    with torch.no_grad(), _attention(hf_model, kv_dtype, shared_layers_exact):
+        logits = hf_model(input_ids=ids, past_key_values=past).logits
+    logprobs = torch.log_softmax(logits.float(), -1)[:, :-1]
+    return logprobs.gather(2, ids[:, 1:, None])[..., 0].numpy()
+
+
+def _prefix_cache(hf_model, token_ids, kv_dtype, rows: int):
+    """transformers' cache of `token_ids` (K/V rounded to `kv_dtype` as they
+    are read), repeated for `rows` sequences that go on from them. Every
+    layer keeps all positions (no sliding-window layers): a K/V element's
+    index is its position, in the prefix and after it."""
+    import torch
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    if token_ids:
+        with torch.no_grad(), _attention(hf_model, kv_dtype, False):
+            hf_model(input_ids=torch.tensor([list(token_ids)]),
+                     past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(rows)
+    return cache
+
+
+@contextlib.contextmanager
+def _attention(hf_model, kv_dtype, shared_layers_exact):
+    """transformers' sdpa, or with `kv_dtype` `_kv_rounding_attention`."""
     name = "sdpa"
     if kv_dtype:
         name = _kv_rounding_attention(kv_dtype, shared_layers_exact)
     before = hf_model.config._attn_implementation
     hf_model.set_attn_implementation(name)
-    ids = torch.tensor([list(t) for t in batch])
     try:
-        with torch.no_grad():
-            logits = hf_model(input_ids=ids).logits
+        yield
     finally:
         hf_model.set_attn_implementation(before)
-    logprobs = torch.log_softmax(logits.float(), -1)[:, :-1]
-    return logprobs.gather(2, ids[:, 1:, None])[..., 0].numpy()
 
 
 class _KvRounding:
@@ -90,7 +117,7 @@ def _kv_rounding_attention(kv_dtype: str, shared_layers_exact: bool) -> str:
             if _KvRounding.given is not None:
                 kv = [x.to(key.dtype) for x in _KvRounding.given[source]]
             for row, flip in enumerate(_KvRounding.flips or []):
-                if flip[0] == source:
+                if flip and flip[0] == source:
                     _, which, index, flipped = flip
                     kv[which] = kv[which].clone()
                     kv[which][(row, *index)] = flipped
@@ -112,8 +139,8 @@ def fp8_flip_allowance(hf_fp32, token_ids, kv_dtype: str):
     """`_fp8_flip_allowance`, computed once per machine: a model-cache entry
     keyed by the model's tensors and config, the tokens, the K/V dtype,
     this file's source and the torch / transformers versions (one forward
-    per 64 flips, single-threaded: ~100 s for test_serve_real_kernels'
-    96 tokens)."""
+    per 64 flips, from the first one's position on; single-threaded, ~45 s
+    for test_serve_real_kernels' 96 tokens)."""
     import json
     from pathlib import Path
 
@@ -156,7 +183,6 @@ def _fp8_flip_allowance(hf_fp32, token_ids, kv_dtype: str):
         hf_token_logprobs(hf64, token_ids, kv_dtype)
     finally:
         _KvRounding.captured = _KvRounding.given = None
-    base = hf_token_logprobs(hf_fp32, token_ids, kv_dtype)
     flips = []
     for layer, kv32 in captured[False].items():
         for which in (0, 1):
@@ -168,15 +194,24 @@ def _fp8_flip_allowance(hf_fp32, token_ids, kv_dtype: str):
             for index in map(tuple, (low != high).nonzero().tolist()):
                 other = (high if chosen[index] == low[index] else low)[index]
                 flips.append((layer, which, index, other.float()))
-    allowance = np.zeros_like(base)
+    # A flip moves no logprob before its position: flips in position
+    # order, each forward runs from its first flip's position on, over a
+    # cache of the tokens before it, beside an unflipped row that is its
+    # base.
+    flips.sort(key=lambda flip: flip[2][1])
+    allowance = np.zeros(len(token_ids) - 1, np.float32)
     for start in range(0, len(flips), FLIPS_PER_FORWARD):
-        _KvRounding.flips = flips[start:start + FLIPS_PER_FORWARD]
+        chunk = flips[start:start + FLIPS_PER_FORWARD]
+        first = chunk[0][2][1]
+        past = _prefix_cache(hf_fp32, token_ids[:first], kv_dtype,
+                             1 + len(chunk))
+        _KvRounding.flips = [None, *chunk]
         try:
-            flipped = _batch_logprobs(hf_fp32, [token_ids] * len(
-                _KvRounding.flips), kv_dtype)
+            rows = _batch_logprobs(hf_fp32, [token_ids[first:]] * (
+                1 + len(chunk)), kv_dtype, past=past)
         finally:
             _KvRounding.flips = None
-        allowance += np.abs(flipped - base).sum(0)
+        allowance[first:] += np.abs(rows[1:] - rows[0]).sum(0)
     return allowance, len(flips)
 
 
