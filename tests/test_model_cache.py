@@ -105,6 +105,32 @@ def test_concurrent_users_build_it_once(cache):
     assert len(paths) == 3 and len(set(paths)) == 1 and build.builds == 1
 
 
+def test_a_reference_is_keyed_by_the_model_not_where_it_was_read(
+        cache, tmp_path):
+    """The same weights and config read from two directories (a model cache
+    moved, or another clone's) are one reference entry; another config is
+    another entry."""
+    from transformers import AutoModelForCausalLM
+    for name in ("here", "there"):
+        tiny.build_model("e2b", multimodal=False).save_pretrained(
+            tmp_path / name)
+    computed = []
+
+    def compute(directory):
+        computed.append(directory)
+        (directory / "result.txt").write_text("1")
+
+    here, there = (AutoModelForCausalLM.from_pretrained(tmp_path / name)
+                   for name in ("here", "there"))
+    assert here.config._name_or_path != there.config._name_or_path
+    first = model_cache.reference("ref", here, {"n": 1}, __file__, compute)
+    again = model_cache.reference("ref", there, {"n": 1}, __file__, compute)
+    assert first == again and len(computed) == 1
+    there.config.final_logit_softcapping = 10.0
+    other = model_cache.reference("ref", there, {"n": 1}, __file__, compute)
+    assert other != first and len(computed) == 2
+
+
 _COMPILE_ONCE = """
 import jax, jax.numpy as jnp
 print(float(jax.jit(lambda x: jnp.sin(x) * 3.0)(jnp.float32(0.5))))

@@ -130,13 +130,24 @@ def tensor_digest(model) -> str:
     return h.hexdigest()
 
 
+def _config_key(config) -> str:
+    """The config as JSON, less where it was loaded from (`_name_or_path`,
+    in it and its sub-configs): the same model read from a moved cache is
+    the same key."""
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items()
+                    if k != "_name_or_path"}
+        return value
+    return json.dumps(strip(config.to_dict()), sort_keys=True, default=str)
+
+
 def reference(name: str, model, inputs: dict, source: str | Path,
               compute: Callable[[Path], None]) -> Path:
     """The entry of a reference computation on a transformers `model`
     (`compute(directory)` writes its result), keyed by the model's tensors
     and config, `inputs` (JSON), the `source` file that computes it and the
     torch / transformers versions."""
-    key = {"model": tensor_digest(model),
-           "config": model.config.to_json_string(use_diff=False),
+    key = {"model": tensor_digest(model), "config": _config_key(model.config),
            **inputs, "code": source_digest(source), "versions": versions()}
     return entry(name, key, compute, kind="reference")
