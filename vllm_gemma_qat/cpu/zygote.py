@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import gc
 import json
 import os
 import signal
@@ -378,6 +379,12 @@ def _serve(preamble: Path) -> None:
         _preload()
     read = _WatchedEnviron.read
     imported = _imports_changed(before, dict(os.environ))
+    # The imports' ~1M objects live as long as any server: out of every
+    # garbage collection of the servers forked from here (vLLM's
+    # freeze_gc_heap at start-up, each collection while they load), as a
+    # fresh process's are only after its own freeze_gc_heap.
+    gc.collect()
+    gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
     exited: dict[int, int] = {}
