@@ -189,6 +189,10 @@ class CpuServer:
         # tpu-inference compiles every padding bucket at start-up (~35 s on
         # CPU for nothing a test uses); shapes are compiled when first used.
         env.setdefault("SKIP_JAX_PRECOMPILE", "1")
+        # A test or demo server is no deployment to report: vLLM's usage
+        # report runs cpuinfo in a Python subprocess (~0.6 s of CPU a
+        # server) to post it, off line here.
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
         if self.step_tokens:  # tpu-inference's smallest bucket: its only one
             env.setdefault("MIN_TOKEN_BUCKET", str(self.step_tokens))
         if self.devices > 1:
