@@ -122,6 +122,11 @@ def test_a_forked_server_gets_what_its_imports_add_to_its_environment():
     imported = _imports_changed({}, {"XLA_FLAGS": "--avx2 "})
     assert _as_imported({"XLA_FLAGS": "--d"}, imported) == {
         "XLA_FLAGS": "--avx2 --d"}
+    # Started by a process that had imported tpu-inference itself: the flag
+    # once, as from a process that had not (JAX's compilation cache keys
+    # the flags as written).
+    assert _as_imported({"XLA_FLAGS": "--avx2 --d"}, imported) == \
+        _as_imported({"XLA_FLAGS": "--d"}, imported)
 
 
 def test_a_zygote_is_keyed_by_what_its_imports_read():

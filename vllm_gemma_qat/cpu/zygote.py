@@ -354,15 +354,22 @@ def _as_imported(env: dict, imported: dict) -> dict:
     """`env` as a fresh server's imports leave it: a value they prepend to
     (tpu-inference's XLA_FLAGS) prepended to this server's own, any other
     set as they set it (the zygote's environment, so left, equals the
-    server's in every keyed name: `Zygote.serves`)."""
+    server's in every keyed name: `Zygote.serves`). A prepended flag the
+    server's own value holds already (its parent had imported tpu-inference
+    too) is not doubled: XLA reads a flag given twice as once, but JAX keys
+    its compilation cache by the flags as written, so a server's programs
+    would otherwise be cached apart by whether the process that started it
+    had imported tpu-inference yet."""
     env = dict(env)
     for name, (before, after) in imported.items():
         if after is None:
             env.pop(name, None)
         elif before and after.endswith(before) or not before and \
                 name in _NOT_KEYED:
-            env[name] = after[:len(after) - len(before or "")] + \
-                env.get(name, "")
+            own = env.get(name, "")
+            added = [flag for flag in after[:len(after) - len(before or "")]
+                     .split() if flag not in own.split()]
+            env[name] = "".join(flag + " " for flag in added) + own
         else:
             env[name] = after
     return env
