@@ -29,6 +29,7 @@ def pytest_configure(config):
         from vllm_gemma_qat.cpu.lifetime import die_with_parent
         die_with_parent()
     if os.environ.get("PYTEST_XDIST_WORKER"):
+        _import_tpu_inference()
         return  # the workers inherit what the main process set below
     # One compilation cache for the run and the runs after it on this
     # machine (cpu/env.py: machine_compile_cache), set by the main process
@@ -42,6 +43,17 @@ def pytest_configure(config):
     os.environ.setdefault(TIMINGS_ENV, os.path.join(config._run_dir,
                                                     "timings.jsonl"))
     config._timings = os.environ[TIMINGS_ENV]
+
+    if not config.getoption("numprocesses", None):
+        _import_tpu_inference()  # no workers: this process runs the tests
+
+
+def _import_tpu_inference():
+    """tpu-inference's import prepends a flag to XLA_FLAGS, by which JAX
+    keys its compilation cache: imported before any test in a process that
+    runs tests, a program is cached under one key whichever test compiles
+    it first (a server gets the flag once either way: cpu/zygote.py)."""
+    import tpu_inference  # noqa: F401
 
 
 def pytest_terminal_summary(terminalreporter, config):
