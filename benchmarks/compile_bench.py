@@ -116,6 +116,13 @@ def run_one(target: Path, topo: str, tp: int, variant: str, flags: dict,
     return report.as_dict() | {"wall_s": time.perf_counter() - started}
 
 
+def _kept(programs) -> str:
+    """Programs answered from an earlier compile (aot/analyses.py: where
+    JAX_COMPILATION_CACHE_DIR is set) took no compile this run."""
+    kept = sum(p["kept"] for p in programs)
+    return f" ({kept} of {len(programs)} kept)" if kept else ""
+
+
 def _gb(n) -> str:
     return f"{n / 1e9:.3f}"
 
@@ -190,7 +197,8 @@ def markdown(results: dict) -> str:
                 cells.append(f"{_ms(p['est_seconds'])} "
                              f"({_ms(xla_seconds(p))})")
         lines.append(
-            head + f" {r['wall_s']:.0f} | {_gb(r['weight_bytes'])} | "
+            head + f" {r['wall_s']:.0f}{_kept(r['programs'])} | "
+            f"{_gb(r['weight_bytes'])} | "
             f"{_gb(r['kv_bytes'])} | {r['plan_kv_cache_tokens']:,} | "
             f"{_mib(r['max_temp_bytes'])} | "
             f"{_mib(r['max_code_bytes'])} | "
@@ -207,7 +215,9 @@ def markdown(results: dict) -> str:
                 f"{k}={int(v)}" for k, v in p["shape"].items()) + ")"
             lines.append(
                 f"| {c['model']} | {c['topology']} | {c['variant']} | "
-                f"{label} | {p['compile_s']:.0f} | {_mib(p['temp_bytes'])} | "
+                f"{label} | {p['compile_s']:.0f}"
+                f"{' (kept)' if p['kept'] else ''} | "
+                f"{_mib(p['temp_bytes'])} | "
                 f"{_mib(p['code_bytes'])} | {p['optimal_seconds']:.6g} | "
                 f"{p['concat_bitcasts']} | {_gb(p['kv_read_bytes'])} | "
                 f"{_ms(p['est_seconds'])} |"

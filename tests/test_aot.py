@@ -416,3 +416,69 @@ def test_stock_load_format_builds_kv_on_shared_layers(tmp_path):
     # against gemma_qat's sliding-window rows.
     assert stock.kv_bytes == stock.plan_kv_bytes
     assert stock.num_blocks < qat.num_blocks
+
+
+def test_a_program_compiled_before_is_answered_by_its_kept_analysis(tmp_path):
+    """aot/analyses.py: what libtpu's compile of a recorded program gave is
+    kept under JAX's key for its executable; the same program again is
+    answered from it (the same analysis, the step's arguments as compiled),
+    a changed one compiles, and an entry that cannot be read is compiled
+    again and rewritten."""
+    from types import SimpleNamespace
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.experimental.compilation_cache import compilation_cache
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from vllm_gemma_qat import substitute
+    from vllm_gemma_qat.aot import analyses, engine
+    from vllm_gemma_qat.aot.report import ANALYSIS
+    desc = topologies.get_topology_desc(
+        platform="tpu", topology_name="v6e:2x2", chip_config_name="default",
+        chips_per_host_bounds=(2, 2, 1), num_slices=1)
+    mesh = Mesh(np.array(desc.devices[:2]), ("model", ))
+    x = jax.ShapeDtypeStruct((256, 128), jnp.float32,
+                             sharding=NamedSharding(mesh, PartitionSpec(
+                                 "model")))
+    kept = tmp_path / analyses.SUBDIRECTORY
+
+    def record(scale):
+        """The recorder's program for x * scale (y unused: not kept)."""
+        jax.clear_caches()  # a compile, not JAX's in-memory executable
+        recorder = engine.Recorder(lambda prog: True, lambda msg: None)
+        recorder.analyses = analyses.Analyses(kept, ANALYSIS)
+        step = jax.jit(lambda x, y: x * scale)
+        with substitute.applied(engine.substitutions(recorder, desc.devices,
+                                                     0), "test"):
+            recorder.run_compilation(SimpleNamespace(runner=SimpleNamespace(
+                mesh=mesh)), "worker0 backbone", step, x, x)
+        [prog] = recorder.started.programs
+        return prog, recorder.started.step_arguments[prog.label]
+
+    # Deviceless executables stay out of JAX's own cache (as compile does).
+    cache_was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        first, first_args = record(2.0)
+        assert first.ok and not first.kept and first.argument_bytes > 0
+        [entry] = kept.iterdir()
+        again, again_args = record(2.0)
+        assert again.kept and again.analysis() == first.analysis()
+        assert [(i, a.shape, a.dtype, a.sharding) for i, a in again_args] \
+            == [(i, a.shape, a.dtype, a.sharding) for i, a in first_args] \
+            == [(0, (256, 128), jnp.float32, x.sharding)]
+        changed, _ = record(3.0)
+        assert changed.ok and not changed.kept
+        assert len(list(kept.iterdir())) == 2
+        entry.write_text(entry.read_text()[:20])  # a write cut short
+        rebuilt, _ = record(2.0)
+        assert rebuilt.ok and not rebuilt.kept
+        assert json.loads(entry.read_text()) == rebuilt.analysis()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_was)
+        compilation_cache.reset_cache()
+        jax.clear_caches()

@@ -378,6 +378,11 @@ def _print_compile(r) -> None:
         if not p.ok:
             print(f"  the TPU compiler on {p.label}: "
                   + p.error.splitlines()[0][:400])
+    kept = sum(p.kept for p in r.programs)
+    if kept:
+        print(f"  ({kept} of {len(r.programs)} as compiled before, the same "
+              "way: their analyses are kept beside JAX's compilation cache; "
+              "compile s is that compile's)")
     print(f"per chip ({r.hbm_bytes / 2**30:g} GiB HBM):")
     print(f"  weights          {_size(r.weight_bytes)}, language model "
           f"{_size(r.lm_weight_bytes)} (plan --tp {r.tp}: "

@@ -5,7 +5,8 @@
 core's start-up for the flags `vllm serve MODEL --load-format gemma_qat`
 would get (config only: no weights are read) on the topology's chips, and
 compiles each program tpu-inference's runner precompiles (`engine.py`;
-the report: `compile.py`, `report.py`). It needs these changes to JAX /
+the report: `compile.py`, `report.py`; a program compiled before the same
+way is answered by what that compile gave, `analyses.py`). It needs these changes to JAX /
 tpu-inference internals, declared in one table, applied only for the
 duration of a compile (`substitute.applied`; `engine.py` declares those of
 the runner's start-up the same way); a target missing from what is

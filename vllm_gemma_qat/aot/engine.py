@@ -31,6 +31,9 @@ What it changes to run without a TPU, only while it runs:
 - `TPUModelRunner.load_model`: records the runner (for the HBM count).
 - `TPUWorker.initialize_from_config`: records the KV cache's config (a
   ValueError before it is a refusal to start, reported as such).
+- JAX's `compile_or_get_cached`, while a recorded program compiles: one
+  compiled before the same way is answered by what was kept from that
+  compile (analyses.py; where JAX's persistent cache is configured).
 The scheduler, which `EngineCore.__init__` builds next, is not: it needs
 the tokenizer, and compile reads configs only.
 """
@@ -40,7 +43,8 @@ import functools
 import time
 from dataclasses import dataclass, field
 
-from vllm_gemma_qat.aot.report import Program
+from vllm_gemma_qat.aot.analyses import Analyses, Kept
+from vllm_gemma_qat.aot.report import ANALYSIS, Program
 
 
 @dataclass
@@ -63,6 +67,7 @@ class Recorder:
         self.select = select
         self.log = log
         self.started = Started()
+        self.analyses = Analyses.configured(ANALYSIS)
 
     @property
     def mesh(self):
@@ -101,7 +106,11 @@ class Recorder:
                     call = fn
                     lowered = jax.jit(lambda *a, **kw: call(*a, **kw)).lower(
                         *args, **call_kwargs)
-                compiled = lowered.compile()
+                try:
+                    with self.analyses.compiling():
+                        compiled = lowered.compile()
+                except Kept as kept:
+                    compiled = kept
         except MissingTarget:
             raise
         except Exception as e:  # the TPU compiler's error, named
@@ -109,12 +118,24 @@ class Recorder:
             prog.compile_s = time.perf_counter() - started
             self.log(f"FAILED {prog.label}: {prog.error.splitlines()[0]}")
         else:
-            prog.compile_s = time.perf_counter() - started
-            prog.record(compiled)
-            self.log(f"compiled {prog.label} in {prog.compile_s:.1f} s")
+            lowered_shardings = lowered._lowering.compile_args["in_shardings"]
+            if isinstance(compiled, Kept):
+                prog.replay(compiled.analysis)
+                shardings = lowered_shardings
+                self.log(f"{prog.label}: as compiled before, in "
+                         f"{prog.compile_s:.1f} s (kept analysis)")
+            else:
+                prog.compile_s = time.perf_counter() - started
+                prog.record(compiled)
+                shardings = jax.tree.leaves(compiled.input_shardings)
+                self.log(f"compiled {prog.label} in {prog.compile_s:.1f} s")
+                # Kept only where a replay's step arguments (the lowering's
+                # shardings) are what the compiler chose.
+                if _equivalent(shardings, lowered_shardings, lowered):
+                    self.analyses.write(prog.analysis())
             if prog.is_step:
                 self.started.step_arguments[prog.label] = \
-                    kept_arguments(lowered, compiled)
+                    kept_arguments(lowered, shardings)
         self.started.programs.append(prog)
 
 
@@ -172,20 +193,30 @@ def _the_jit_it_calls(fn, args, call_kwargs):
     return jax.jit(fn), args, call_kwargs
 
 
-def kept_arguments(lowered, compiled) -> list:
+def kept_arguments(lowered, shardings) -> list:
     """(index among the jit's flattened non-static arguments, abstract
     array with the sharding it is compiled for) for each argument the
-    compiled program keeps. Which ones it keeps JAX says only in the
-    lowering's compile arguments (`kept_var_idx`; the compiled program's
-    input shardings are those of the kept ones, in order)."""
+    compiled program keeps; `shardings`: the compiled program's input
+    shardings (those of the kept ones, in order). Which ones it keeps JAX
+    says only in the lowering's compile arguments (`kept_var_idx`)."""
     import jax
     kept = sorted(lowered._lowering.compile_args["kept_var_idx"])
     infos = jax.tree.leaves(lowered.args_info)
-    shardings = jax.tree.leaves(compiled.input_shardings)
     assert len(kept) == len(shardings), (len(kept), len(shardings))
     return [(i, jax.ShapeDtypeStruct(infos[i].shape, infos[i].dtype,
                                      sharding=sharding))
             for i, sharding in zip(kept, shardings)]
+
+
+def _equivalent(compiled, lowered_shardings, lowered) -> bool:
+    """Whether the compiled program's input shardings are the lowering's."""
+    import jax
+    infos = jax.tree.leaves(lowered.args_info)
+    kept = sorted(lowered._lowering.compile_args["kept_var_idx"])
+    return len(compiled) == len(lowered_shardings) == len(kept) and all(
+        hasattr(b, "is_equivalent_to") and a.is_equivalent_to(
+            b, len(infos[i].shape))
+        for a, b, i in zip(compiled, lowered_shardings, kept))
 
 
 def _abstract(tree, sharding, mesh):
@@ -327,6 +358,10 @@ def substitutions(recorder: Recorder, devices, hbm_bytes: int) -> list:
                      "recorded; nothing runs"),
         Substitution(f"{manager}._flush_compilations", no_warmup,
                      "no warm-up calls (nothing can run)"),
+        Substitution("jax._src.compiler:compile_or_get_cached",
+                     recorder.analyses.keyed, "a recorded program compiled "
+                     "before is answered by the analysis kept under its "
+                     "executable's key (analyses.py)", wraps=True),
     ]
 
 

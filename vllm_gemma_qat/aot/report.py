@@ -8,6 +8,11 @@ from dataclasses import asdict, dataclass, field
 # declare to XLA's cost model.
 HBM_BYTES_PER_S = {5: 819e9, 6: 1640e9}
 
+# What Program.record reads from a compiled program, and the compile's time.
+ANALYSIS = ("compile_s", "argument_bytes", "output_bytes", "alias_bytes",
+            "temp_bytes", "code_bytes", "flops", "bytes_accessed",
+            "optimal_seconds", "concat_bitcasts", "mosaic_calls")
+
 
 @dataclass
 class Program:
@@ -28,6 +33,9 @@ class Program:
     mosaic_calls: int = 0  # Pallas kernels in the compiled program
     kv_read_bytes: int = 0  # by arithmetic (RPA declares none)
     est_seconds: float | None = None  # corrected, KV traffic added
+    # answered from an earlier compile of the same program (analyses.py);
+    # compile_s is then that compile's
+    kept: bool = False
 
     @property
     def is_step(self) -> bool:  # the model's forward pass
@@ -58,6 +66,18 @@ class Program:
         self.concat_bitcasts = text.count(
             'custom_call_target="ConcatBitcast"')
         self.mosaic_calls = text.count('custom_call_target="tpu_custom_call"')
+
+    def analysis(self) -> dict:
+        """What `record` read from the compiled program (and how long the
+        compile took): what analyses.py keeps."""
+        return {name: getattr(self, name) for name in ANALYSIS}
+
+    def replay(self, analysis: dict) -> None:
+        """`record` from a kept analysis."""
+        self.ok, self.kept = True, True
+        for name in ANALYSIS:
+            setattr(self, name, analysis[name])
+
 
 
 @dataclass
