@@ -119,7 +119,7 @@ def run_one(target: Path, topo: str, tp: int, variant: str, flags: dict,
 def _kept(programs) -> str:
     """Programs answered from an earlier compile (aot/analyses.py: where
     JAX_COMPILATION_CACHE_DIR is set) took no compile this run."""
-    kept = sum(p["kept"] for p in programs)
+    kept = sum(bool(p.get("kept")) for p in programs)
     return f" ({kept} of {len(programs)} kept)" if kept else ""
 
 
@@ -216,7 +216,7 @@ def markdown(results: dict) -> str:
             lines.append(
                 f"| {c['model']} | {c['topology']} | {c['variant']} | "
                 f"{label} | {p['compile_s']:.0f}"
-                f"{' (kept)' if p['kept'] else ''} | "
+                f"{' (kept)' if p.get('kept') else ''} | "
                 f"{_mib(p['temp_bytes'])} | "
                 f"{_mib(p['code_bytes'])} | {p['optimal_seconds']:.6g} | "
                 f"{p['concat_bitcasts']} | {_gb(p['kv_read_bytes'])} | "
