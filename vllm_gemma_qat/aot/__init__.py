@@ -6,11 +6,11 @@ core's start-up for the flags `vllm serve MODEL --load-format gemma_qat`
 would get (config only: no weights are read) on the topology's chips, and
 compiles each program tpu-inference's runner precompiles (`engine.py`;
 the report: `compile.py`, `report.py`; a program compiled before the same
-way is answered by what that compile gave, `analyses.py`). It needs these changes to JAX /
-tpu-inference internals, declared in one table, applied only for the
-duration of a compile (`substitute.applied`; `engine.py` declares those of
-the runner's start-up the same way); a target missing from what is
-installed stops it with `substitute.MissingTarget`:
+way is answered by what that compile gave, `analyses.py`). It needs these
+changes to JAX / tpu-inference internals, declared in one table, applied
+only for the duration of a compile (`substitute.applied`; `engine.py`
+declares those of the runner's start-up the same way); a target missing
+from what is installed stops it with `substitute.MissingTarget`:
 
 - `preflight.check_local_checkpoint` (the plugin's own header check where
   vLLM builds its config): vLLM's config comes from a config-only directory;

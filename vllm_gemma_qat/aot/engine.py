@@ -208,15 +208,17 @@ def kept_arguments(lowered, shardings) -> list:
             for i, sharding in zip(kept, shardings)]
 
 
-def _equivalent(compiled, lowered_shardings, lowered) -> bool:
-    """Whether the compiled program's input shardings are the lowering's."""
+def _equivalent(compiled_shardings, lowered_shardings, lowered) -> bool:
+    """Whether the compiled program's input shardings are the lowering's
+    (for the arguments it keeps)."""
     import jax
     infos = jax.tree.leaves(lowered.args_info)
     kept = sorted(lowered._lowering.compile_args["kept_var_idx"])
-    return len(compiled) == len(lowered_shardings) == len(kept) and all(
-        hasattr(b, "is_equivalent_to") and a.is_equivalent_to(
-            b, len(infos[i].shape))
-        for a, b, i in zip(compiled, lowered_shardings, kept))
+    return len(compiled_shardings) == len(lowered_shardings) == len(kept) \
+        and all(hasattr(b, "is_equivalent_to")
+                and a.is_equivalent_to(b, len(infos[i].shape))
+                for a, b, i in zip(compiled_shardings, lowered_shardings,
+                                   kept))
 
 
 def _abstract(tree, sharding, mesh):
