@@ -79,7 +79,6 @@ class Program:
             setattr(self, name, analysis[name])
 
 
-
 @dataclass
 class Report:
     model: str
