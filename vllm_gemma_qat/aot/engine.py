@@ -193,32 +193,39 @@ def _the_jit_it_calls(fn, args, call_kwargs):
     return jax.jit(fn), args, call_kwargs
 
 
+def _kept_args_info(lowered) -> list:
+    """(index among the jit's flattened non-static arguments, its
+    args_info) for each argument the compiled program keeps. Which ones it
+    keeps JAX says only in the lowering's compile arguments
+    (`kept_var_idx`)."""
+    import jax
+    infos = jax.tree.leaves(lowered.args_info)
+    return [(i, infos[i])
+            for i in sorted(lowered._lowering.compile_args["kept_var_idx"])]
+
+
 def kept_arguments(lowered, shardings) -> list:
     """(index among the jit's flattened non-static arguments, abstract
     array with the sharding it is compiled for) for each argument the
     compiled program keeps; `shardings`: the compiled program's input
-    shardings (those of the kept ones, in order). Which ones it keeps JAX
-    says only in the lowering's compile arguments (`kept_var_idx`)."""
+    shardings (those of the kept ones, in order)."""
     import jax
-    kept = sorted(lowered._lowering.compile_args["kept_var_idx"])
-    infos = jax.tree.leaves(lowered.args_info)
+    kept = _kept_args_info(lowered)
     assert len(kept) == len(shardings), (len(kept), len(shardings))
-    return [(i, jax.ShapeDtypeStruct(infos[i].shape, infos[i].dtype,
+    return [(i, jax.ShapeDtypeStruct(info.shape, info.dtype,
                                      sharding=sharding))
-            for i, sharding in zip(kept, shardings)]
+            for (i, info), sharding in zip(kept, shardings)]
 
 
 def _equivalent(compiled_shardings, lowered_shardings, lowered) -> bool:
     """Whether the compiled program's input shardings are the lowering's
     (for the arguments it keeps)."""
-    import jax
-    infos = jax.tree.leaves(lowered.args_info)
-    kept = sorted(lowered._lowering.compile_args["kept_var_idx"])
+    kept = _kept_args_info(lowered)
     return len(compiled_shardings) == len(lowered_shardings) == len(kept) \
         and all(hasattr(b, "is_equivalent_to")
-                and a.is_equivalent_to(b, len(infos[i].shape))
-                for a, b, i in zip(compiled_shardings, lowered_shardings,
-                                   kept))
+                and a.is_equivalent_to(b, len(info.shape))
+                for a, b, (_, info) in zip(compiled_shardings,
+                                           lowered_shardings, kept))
 
 
 def _abstract(tree, sharding, mesh):
