@@ -423,7 +423,9 @@ def test_a_program_compiled_before_is_answered_by_its_kept_analysis(tmp_path):
     kept under JAX's key for its executable; the same program again is
     answered from it (the same analysis, the step's arguments as compiled),
     a changed one compiles, and an entry that cannot be read is compiled
-    again and rewritten."""
+    again and rewritten. A program other than the step, called on a host
+    array as the audio tower's precompile is (its lowering has no sharding
+    for it), is kept and answered too."""
     from types import SimpleNamespace
 
     import jax
@@ -445,8 +447,9 @@ def test_a_program_compiled_before_is_answered_by_its_kept_analysis(tmp_path):
                                  "model")))
     kept = tmp_path / analyses.SUBDIRECTORY
 
-    def record(scale):
-        """The recorder's program for x * scale (y unused: not kept)."""
+    def record(scale, name="worker0 backbone", arg=x):
+        """The recorder's program `name` for arg * scale (its second
+        argument unused: not kept)."""
         jax.clear_caches()  # a compile, not JAX's in-memory executable
         recorder = engine.Recorder(lambda prog: True, lambda msg: None)
         recorder.analyses = analyses.Analyses(kept, ANALYSIS)
@@ -454,9 +457,9 @@ def test_a_program_compiled_before_is_answered_by_its_kept_analysis(tmp_path):
         with substitute.applied(engine.substitutions(recorder, desc.devices,
                                                      0), "test"):
             recorder.run_compilation(SimpleNamespace(runner=SimpleNamespace(
-                mesh=mesh)), "worker0 backbone", step, x, x)
+                mesh=mesh)), name, step, arg, arg)
         [prog] = recorder.started.programs
-        return prog, recorder.started.step_arguments[prog.label]
+        return prog, recorder.started.step_arguments.get(prog.label)
 
     # Deviceless executables stay out of JAX's own cache (as compile does).
     cache_was = jax.config.jax_enable_compilation_cache
@@ -478,6 +481,12 @@ def test_a_program_compiled_before_is_answered_by_its_kept_analysis(tmp_path):
         rebuilt, _ = record(2.0)
         assert rebuilt.ok and not rebuilt.kept
         assert json.loads(entry.read_text()) == rebuilt.analysis()
+        host = np.zeros((256, 128), np.float32)
+        tower, _ = record(2.0, "audio_encoder", host)
+        assert tower.ok and not tower.kept
+        assert len(list(kept.iterdir())) == 3
+        tower_again, _ = record(2.0, "audio_encoder", host)
+        assert tower_again.kept and tower_again.analysis() == tower.analysis()
     finally:
         jax.config.update("jax_enable_compilation_cache", cache_was)
         compilation_cache.reset_cache()

@@ -129,9 +129,13 @@ class Recorder:
                 prog.record(compiled)
                 shardings = jax.tree.leaves(compiled.input_shardings)
                 self.log(f"compiled {prog.label} in {prog.compile_s:.1f} s")
-                # Kept only where a replay's step arguments (the lowering's
-                # shardings) are what the compiler chose.
-                if _equivalent(shardings, lowered_shardings, lowered):
+                # A replayed step's arguments are the lowering's shardings:
+                # a step is kept only where they are what the compiler
+                # chose. Other programs replay their analysis alone (the
+                # audio tower's, on host arrays, have no lowered sharding).
+                if not prog.is_step or _equivalent(shardings,
+                                                   lowered_shardings,
+                                                   lowered):
                     self.analyses.write(prog.analysis())
             if prog.is_step:
                 self.started.step_arguments[prog.label] = \
